@@ -1,0 +1,38 @@
+# One entry point per job. Every target sets up .venv first (idempotent: a stamp file records the install).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+CONSTRAINTS := requirements/constraints.txt
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS) requirements/sglang-compat.txt
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -r requirements/sglang-compat.txt
+	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) sglang==0.5.23
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/instrumented-alloc demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
