@@ -1,0 +1,160 @@
+"""The event vocabulary and a small synchronous bus.
+
+Contract:
+- Every event is a frozen dataclass with ``seq`` (monotonic per allocator, gap-free across all event kinds),
+  ``ts`` (the allocator's injected clock) and ``step`` (the wrapper's step counter).
+- The wrapper collects the events of one allocator call (or one ``step()``) and hands them to every sink as
+  one batch, on the calling thread, after the allocator call has returned (or, in raise mode, just before the
+  exception leaves the wrapper).
+- A sink is a callable ``sink(batch: Sequence[Event]) -> bool | None``. It must not block. Returning False
+  ("refused") or raising drops that batch for that sink: the bus counts the dropped events per sink name in
+  ``dropped`` and never lets the exception reach the allocator's caller.
+- No sink: the wrapper builds no events at all (``EventBus.active`` is False), so instrumentation with no
+  subscriber costs nothing beyond the checks themselves.
+- Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from instrumented_alloc.invariants import Violation
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    ts: float
+    step: int
+
+
+@dataclass(frozen=True)
+class Alloc(Event):
+    """A successful allocation. ``rids`` are the bound requests in batch order (empty when unattributed)."""
+
+    op: str
+    pool: str
+    n_slots: int
+    n_pages: int
+    rids: tuple = ()
+    duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class AllocFailed(Event):
+    """An allocation the allocator refused (returned None) for lack of pages."""
+
+    op: str
+    pool: str
+    requested: int
+    available: int
+    rids: tuple = ()
+
+
+@dataclass(frozen=True)
+class Free(Event):
+    """Pages released (or held in a free group). ``rids``: the owners of the freed pages, when known."""
+
+    op: str
+    pool: str
+    n_pages: int
+    rids: tuple = ()
+    duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class SwaEvict(Event):
+    """A request's SWA-evicted length moved from ``old`` to ``new`` tokens (``n_pages`` SWA pages)."""
+
+    rid: object
+    old: int
+    new: int
+    n_pages: int
+
+
+@dataclass(frozen=True)
+class LedgerWrite(Event):
+    """An accepted write of one ledger field (rejected writes produce a ViolationEvent instead)."""
+
+    rid: object
+    field: str
+    old: int
+    new: int
+
+
+@dataclass(frozen=True)
+class RequestReleased(Event):
+    rid: object
+    pages_held: int
+    pages_peak: int = 0
+
+
+@dataclass(frozen=True)
+class ViolationEvent(Event):
+    violation: Violation
+
+
+@dataclass(frozen=True)
+class Snapshot(Event):
+    """Periodic state of one pool: ``owner`` is the page-owner code array as little-endian int32 bytes
+    (see ``shadow.py`` for the codes); ``slots``/``rids`` name the request slots that appear in it."""
+
+    pool: str
+    page_size: int
+    num_pages: int
+    owner: bytes
+    rids: tuple = ()
+    ledger: tuple = ()
+
+
+@dataclass(frozen=True)
+class StepBoundary(Event):
+    """``alloc.step()`` was called; ``available`` maps pool name to free+staged pages as the shadow counts them."""
+
+    available: dict = field(default_factory=dict)
+
+
+Sink = Callable[[Sequence[Event]], "bool | None"]
+
+
+def sink_name(sink) -> str:
+    return getattr(sink, "name", None) or getattr(sink, "__name__", None) or type(sink).__name__
+
+
+class EventBus:
+    """Delivers batches of events to sinks; counts what a sink refused or failed on."""
+
+    def __init__(self, sinks: Sequence[Sink] = ()):
+        self._sinks: list[Sink] = []
+        self.dropped: dict[str, int] = {}
+        self.errors: dict[str, str] = {}
+        self.active = False
+        for s in sinks:
+            self.subscribe(s)
+
+    def subscribe(self, sink: Sink) -> None:
+        self._sinks.append(sink)
+        self.dropped.setdefault(sink_name(sink), 0)
+        self.active = True
+
+    def unsubscribe(self, sink: Sink) -> None:
+        self._sinks.remove(sink)
+        self.active = bool(self._sinks)
+
+    @property
+    def sinks(self) -> tuple:
+        return tuple(self._sinks)
+
+    def deliver(self, batch: Sequence[Event]) -> None:
+        if not batch:
+            return
+        for s in self._sinks:
+            try:
+                ok = s(batch)
+            except Exception as exc:  # a sink must never break the allocator's caller
+                ok = False
+                self.errors[sink_name(s)] = f"{type(exc).__name__}: {exc}"
+            if ok is False:
+                name = sink_name(s)
+                self.dropped[name] = self.dropped.get(name, 0) + len(batch)

@@ -1,0 +1,263 @@
+"""The per-request KV record (``ReqKvInfo``) and its columnar store (``KvLedger``).
+
+Contract:
+- Columnar: every field is a numpy array indexed by a request *slot* (as SGLang's ``req_to_token_pool`` indexes
+  rows), so a decode batch of 256 requests updates its ledger with a few vector operations.
+- ``ledger[rid]`` returns a ``ReqKvInfo`` view. Assigning ``kv_allocated_len``, ``kv_committed_len`` or
+  ``swa_evicted_seqlen`` on it is the single checked write point (the seed's design: the check sits where the
+  value is stored, so every caller passes the same gate). A rejected value is never stored: the old one stays.
+- The checks at a write are the catalog's ledger rules (``invariants.py``): page alignment of the allocated and
+  evicted lengths, committed <= allocated, evicted <= allocated, evicted monotonic while the request holds KV,
+  nothing inside the sliding window evicted (``seq_len`` is the committed length).
+- Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
+- Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+
+import numpy as np
+
+from instrumented_alloc.argcheck import ArgumentTypeError
+from instrumented_alloc.invariants import InvariantViolation, Violation
+
+FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
+
+
+class ReqKvInfo:
+    """One request's KV record: a view onto the ledger's columns, with checked attribute writes."""
+
+    __slots__ = ("_ledger", "rid", "slot")
+
+    def __init__(self, ledger: KvLedger, rid, slot: int):
+        self._ledger = ledger
+        self.rid = rid
+        self.slot = slot
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return int(self._ledger.allocated[self.slot])
+
+    @kv_allocated_len.setter
+    def kv_allocated_len(self, value: int) -> None:
+        self._ledger.write(self.slot, "kv_allocated_len", value)
+
+    @property
+    def kv_committed_len(self) -> int:
+        return int(self._ledger.committed[self.slot])
+
+    @kv_committed_len.setter
+    def kv_committed_len(self, value: int) -> None:
+        self._ledger.write(self.slot, "kv_committed_len", value)
+
+    @property
+    def swa_evicted_seqlen(self) -> int:
+        return int(self._ledger.evicted[self.slot])
+
+    @swa_evicted_seqlen.setter
+    def swa_evicted_seqlen(self, value: int) -> None:
+        self._ledger.write(self.slot, "swa_evicted_seqlen", value)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReqKvInfo(rid={self.rid!r}, kv_allocated_len={self.kv_allocated_len}, "
+            f"kv_committed_len={self.kv_committed_len}, swa_evicted_seqlen={self.swa_evicted_seqlen})"
+        )
+
+
+class _RaisingObserver:
+    """Used by a ledger that stands alone: a rejected write raises at once."""
+
+    def ledger_rejected(self, slot: int, rid, violations: list[tuple[str, str]], exc=None) -> None:
+        if exc is not None:
+            return  # the caller raises the argument error itself
+        inv, msg = violations[0]
+        raise InvariantViolation(Violation(inv, msg, rid=rid, op="ledger"))
+
+    def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
+        pass
+
+
+class KvLedger:
+    """Columnar per-request KV records, keyed by request id, stored by slot."""
+
+    def __init__(self, page_size: int, *, sliding_window: int | None = None, pools=("full",), capacity: int = 256):
+        self.page_size = int(page_size)
+        self.sliding_window = sliding_window
+        self.pools = tuple(pools)
+        self._observer = _RaisingObserver()
+        # Slots whose last write was rejected: their pages may legitimately disagree with the ledger until the
+        # request is reset, and the root cause was already reported.
+        self.tainted: set[int] = set()
+        self._rid_to_slot: dict = {}
+        self._slot_rid: list = []
+        self._free_slots: list[int] = []
+        self._cap = 0
+        self.allocated = np.zeros(0, np.int64)
+        self.committed = np.zeros(0, np.int64)
+        self.evicted = np.zeros(0, np.int64)
+        self.live = np.zeros(0, bool)  # slot names a request that has not been released
+        self.leaked = np.zeros(0, bool)  # released while still owning pages (reported once)
+        self.peak_pages = np.zeros(0, np.int64)
+        self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
+        self._grow(capacity)
+
+    # -- storage ------------------------------------------------------------------------------------------------
+    def _grow(self, cap: int) -> None:
+        def ext(a: np.ndarray) -> np.ndarray:
+            out = np.zeros(cap, a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self.allocated, self.committed, self.evicted = ext(self.allocated), ext(self.committed), ext(self.evicted)
+        self.live, self.leaked, self.peak_pages = ext(self.live), ext(self.leaked), ext(self.peak_pages)
+        self.owned = {p: ext(a) for p, a in self.owned.items()}
+        self._free_slots.extend(range(cap - 1, self._cap - 1, -1))
+        self._slot_rid.extend([None] * (cap - self._cap))
+        self._cap = cap
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def slot_of(self, rid, *, create: bool = True) -> int:
+        slot = self._rid_to_slot.get(rid)
+        if slot is not None:
+            return slot
+        if not create:
+            raise KeyError(rid)
+        if not self._free_slots:
+            self._grow(self._cap * 2)
+        slot = self._free_slots.pop()
+        self._rid_to_slot[rid] = slot
+        self._slot_rid[slot] = rid
+        self.live[slot] = True
+        return slot
+
+    def slots_of(self, rids) -> np.ndarray:
+        return np.fromiter((self.slot_of(r) for r in rids), np.int64, len(rids))
+
+    def rid_of(self, slot: int):
+        return self._slot_rid[slot] if 0 <= slot < self._cap else None
+
+    def release(self, rid, *, leaked: bool) -> int:
+        """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
+        slot = self._rid_to_slot.pop(rid)
+        self.live[slot] = False
+        if leaked:
+            self.leaked[slot] = True
+        else:
+            self.reset(slot)
+            self.peak_pages[slot] = 0
+            self._slot_rid[slot] = None
+            self._free_slots.append(slot)
+        return slot
+
+    def reset(self, slot: int) -> None:
+        """The request holds no KV any more (all its pages were freed: finished or retracted)."""
+        self.allocated[slot] = self.committed[slot] = self.evicted[slot] = 0
+
+    # -- mapping protocol ---------------------------------------------------------------------------------------
+    def __getitem__(self, rid) -> ReqKvInfo:
+        return ReqKvInfo(self, rid, self.slot_of(rid, create=False))
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._rid_to_slot
+
+    def __iter__(self) -> Iterator:
+        return iter(list(self._rid_to_slot))
+
+    def __len__(self) -> int:
+        return len(self._rid_to_slot)
+
+    def get_or_create(self, rid) -> ReqKvInfo:
+        return ReqKvInfo(self, rid, self.slot_of(rid))
+
+    def live_slots(self) -> np.ndarray:
+        return np.fromiter(self._rid_to_slot.values(), np.int64, len(self._rid_to_slot))
+
+    # -- the checked write point --------------------------------------------------------------------------------
+    def check(self, slot: int, field: str, value: int) -> list[tuple[str, str]]:
+        """The ledger rules broken by storing ``value`` into ``field`` of ``slot`` (empty list: accepted)."""
+        ps = self.page_size
+        alloc, comm, ev = int(self.allocated[slot]), int(self.committed[slot]), int(self.evicted[slot])
+        bad: list[tuple[str, str]] = []
+        if field == "kv_allocated_len":
+            if value < 0 or value % ps:
+                bad.append(
+                    (
+                        "kv_allocated_len_page_aligned",
+                        f"kv_allocated_len={value} is not a non-negative multiple of page_size={ps} "
+                        f"(remainder {value % ps}); kept {alloc}",
+                    )
+                )
+            if comm > value:
+                bad.append(
+                    ("kv_committed_le_allocated", f"kv_allocated_len={value} < kv_committed_len={comm}; kept {alloc}")
+                )
+            if ev > value:
+                bad.append(
+                    ("swa_evicted_le_allocated", f"kv_allocated_len={value} < swa_evicted_seqlen={ev}; kept {alloc}")
+                )
+        elif field == "kv_committed_len":
+            if value < 0 or value > alloc:
+                bad.append(
+                    (
+                        "kv_committed_le_allocated",
+                        f"kv_committed_len={value} is not within 0..kv_allocated_len={alloc}; kept {comm}",
+                    )
+                )
+        elif field == "swa_evicted_seqlen":
+            if value < 0 or value % ps:
+                bad.append(
+                    (
+                        "swa_evicted_seqlen_page_aligned",
+                        f"swa_evicted_seqlen={value} is not a non-negative multiple of page_size={ps} "
+                        f"(remainder {value % ps}); kept {ev}",
+                    )
+                )
+            if value < ev:
+                bad.append(("swa_evicted_seqlen_monotonic", f"swa_evicted_seqlen would decrease from {ev} to {value}"))
+            if value > alloc:
+                bad.append(
+                    ("swa_evicted_le_allocated", f"swa_evicted_seqlen={value} > kv_allocated_len={alloc}; kept {ev}")
+                )
+            w = self.sliding_window
+            if w is not None and value > max(0, comm - w):
+                bad.append(
+                    (
+                        "swa_evicted_within_window",
+                        f"swa_evicted_seqlen={value} reaches into the window: seq_len={comm}, window={w}, "
+                        f"at most {max(0, comm - w)} may be evicted",
+                    )
+                )
+        return bad
+
+    def write(self, slot: int, field: str, value) -> bool:
+        """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")
+            self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
+            raise exc
+        value = int(value)
+        bad = self.check(slot, field, value)
+        if bad:
+            self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
+            return False
+        column = self._column(field)
+        old = int(column[slot])
+        column[slot] = value
+        if old != value:
+            self._observer.ledger_written(slot, self._slot_rid[slot], field, old, value)
+        return True
+
+    def _column(self, field: str) -> np.ndarray:
+        if field == "kv_allocated_len":
+            return self.allocated
+        if field == "kv_committed_len":
+            return self.committed
+        if field == "swa_evicted_seqlen":
+            return self.evicted
+        raise AttributeError(field)

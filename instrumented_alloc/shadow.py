@@ -1,0 +1,375 @@
+"""Host-side shadow of one pool's page states: what the checks, snapshots and statistics read.
+
+Contract:
+- ``owner`` is a numpy int32 array with one entry per page (index = page id, page 0 included). A value >= 0 is
+  the ledger slot of the request that owns the page; negative values are the codes below. One array carries
+  both state and owner so that a decode batch is checked with one gather and one comparison.
+- The shadow is updated from host-side facts (``*_cpu`` arguments, Python ints) and from the values of handed-out
+  and freed indices *after they reached the host* (at once for CPU tensors, at the next step boundary for
+  accelerator tensors: see ``wrapper.py``). Nothing here touches a device tensor.
+- Every check returns ``(invariant_id, message, slot)`` tuples (slot -1 when no request is concerned) and the
+  shadow then mirrors what the inner allocator actually did, so one fault is reported once, under one id.
+- ``expected_entries`` is the number of entries the inner allocator's free list plus staged list should hold;
+  it can exceed the number of free pages after a double free (the inner then lists a page twice).
+- Not thread-safe by itself (the wrapper serialises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Page codes (owner < 0). Free-like codes are the lowest, so "allocatable" is one comparison: owner <= FREE.
+USED_UNOWNED = -1  # handed out to no known request (unattributed call, or lost by the allocator)
+RESERVED = -2  # page 0, the padding sink
+STAGED = -3  # freed, waiting in need_sort staging (counted by available_size, not yet allocatable)
+HELD_SET = -4  # freed by a set-shaped free() inside an open free group
+HELD_IDS = -5  # freed by a page-id free (free_page_ids, free_segment) inside an open free group
+FREE = -6  # in the free list, handed out before
+PRISTINE = -7  # in the free list, never handed out since clear()
+
+STATE_NAMES = {
+    USED_UNOWNED: "used",
+    RESERVED: "reserved",
+    STAGED: "staged",
+    HELD_SET: "staged",
+    HELD_IDS: "staged",
+    FREE: "free",
+    PRISTINE: "free",
+}
+
+
+def _pages_list(pages: np.ndarray, limit: int = 8) -> str:
+    shown = ", ".join(str(int(p)) for p in pages[:limit])
+    return f"[{shown}{', ...' if pages.size > limit else ''}] ({pages.size} pages)"
+
+
+def _describe(code: int) -> str:
+    return f"owned by request slot {code}" if code >= 0 else STATE_NAMES.get(int(code), "?")
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """The ledger columns of the live requests at snapshot time (one entry per live request)."""
+
+    rids: tuple
+    slots: np.ndarray
+    allocated: np.ndarray
+    committed: np.ndarray
+    evicted: np.ndarray
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """One pool at one step: a copy of the shadow's ``owner`` codes plus the ledger's live requests."""
+
+    pool: str
+    page_size: int
+    num_pages: int
+    owner: np.ndarray
+    step: int
+    ledger: LedgerSnapshot
+    slot_rids: dict
+
+
+class PoolShadow:
+    def __init__(self, name: str, page_size: int, num_pages: int, *, dedup_free: bool, need_sort: bool, ledger):
+        self.name = name
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dedup_free = dedup_free
+        self.need_sort = need_sort
+        self._ledger = ledger
+        self.owner = np.empty(num_pages + 1, np.int32)
+        self.clear()
+
+    def clear(self) -> None:
+        self.owner.fill(PRISTINE)
+        self.owner[0] = RESERVED
+        self.expected_entries = self.num_pages
+        self.held_set: list[np.ndarray] = []
+        self.held_ids: list[np.ndarray] = []
+        self.in_group = False
+        self.n_staged = 0
+        self.unexplained_loss = 0
+        self.reported: set = set()
+
+    @property
+    def owned(self) -> np.ndarray:
+        return self._ledger.owned[self.name]
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def on_alloc(self, pages: np.ndarray, own, new_mask: np.ndarray | None, n_new: int, op: str) -> list:
+        """Pages handed out, one entry per returned slot. ``own``: owner slot per entry (array) or -1.
+        ``new_mask``: True where the slot opens a page taken from the free list, False where it continues the
+        request's own partial page (None: all new). Per-request page counts are the caller's (host-known)."""
+        bad: list = []
+        owner = self.owner
+        if pages.size:
+            if pages.min() < 1 or pages.max() >= owner.size:
+                bad += self._alloc_out_of_range(pages, op)
+                keep = (pages >= 1) & (pages < owner.size)
+                pages = pages[keep]
+                new_mask = None if new_mask is None else new_mask[keep]
+                if isinstance(own, np.ndarray):
+                    own = own[keep]
+            prev = owner[pages]
+            ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
+            if not ok.all():
+                bad += self._classify_alloc(pages, prev, own, new_mask, ok, op)
+            owner[pages] = own
+        self.expected_entries -= n_new
+        return bad
+
+    def _alloc_out_of_range(self, pages: np.ndarray, op: str) -> list:
+        bad = []
+        zero = pages[pages == 0]
+        if zero.size:
+            bad.append(("reserved_page_touched", f"{op} handed out reserved page 0 ({zero.size} slots)", -1))
+        oob = pages[(pages < 0) | (pages >= self.owner.size)]
+        if oob.size:
+            bad.append(
+                (
+                    "duplicate_allocation",
+                    f"{op} handed out pages outside the pool (valid 1..{self.num_pages}): {_pages_list(oob)}",
+                    -1,
+                )
+            )
+        return bad
+
+    def _classify_alloc(self, pages, prev, own, new_mask, ok, op) -> list:
+        bad = []
+        bad_idx = np.flatnonzero(~ok)
+        is_new = np.ones(bad_idx.size, bool) if new_mask is None else new_mask[bad_idx]
+        own_at = np.broadcast_to(np.asarray(own), pages.shape)[bad_idx]
+        bpages, bprev = pages[bad_idx], prev[bad_idx]
+        # A new page that is busy, or a continued page that belongs to someone else: the slot is in use twice.
+        dup = (is_new & (bprev > FREE)) | (~is_new & (bprev != own_at) & (bprev > FREE))
+        # A continued slot that lands in a free page: last_loc did not point at the request's own last slot.
+        stray = ~is_new & (bprev <= FREE)
+        for mask, inv, what in (
+            (dup, "duplicate_allocation", "already in use"),
+            (stray, "slot_page_alignment", "free, though the slot continues the request's own page (bad last_loc)"),
+        ):
+            if mask.any():
+                up = np.unique(bpages[mask])
+                first = int(np.flatnonzero(mask)[0])
+                slot = int(own_at[first])
+                was = _describe(int(bprev[first]))
+                bad.append(
+                    (inv, f"{op} handed out {_pages_list(up)} {what}; page {int(bpages[first])} was {was}", slot)
+                )
+        stolen = bprev[dup & (bprev >= 0)]
+        if stolen.size:
+            # Keep per-request counts equal to the owner array: the new owner takes the page over.
+            np.subtract.at(self.owned, stolen, 1)
+        return bad
+
+    # -- frees ------------------------------------------------------------------------------------------------
+    def plan_free(self, pages: np.ndarray, *, dedup: bool, op: str, unmapped: np.ndarray | None = None):
+        """Check a free of ``pages`` (one entry per page the inner will release; ``dedup``: the inner frees
+        each distinct page once). ``unmapped`` masks entries already reported as SWA mapping faults (they
+        are counted but not judged again). Returns (violations, plan) for ``apply_free``."""
+        bad: list = []
+        if dedup:
+            pages = np.unique(pages)
+        n_entries = int(pages.size)
+        owner = self.owner
+        valid = (pages >= 1) & (pages < owner.size)
+        if unmapped is not None:
+            valid &= ~unmapped
+        if not valid.all():
+            judged = pages if unmapped is None else pages[~unmapped]
+            zero = judged[judged == 0]
+            if zero.size:
+                bad.append(("reserved_page_touched", f"{op} frees reserved page 0", -1))
+            oob = judged[(judged < 0) | (judged >= owner.size)]
+            if oob.size:
+                bad.append(
+                    (
+                        "free_unallocated",
+                        f"{op} frees pages outside the pool (valid 1..{self.num_pages}): {_pages_list(oob)}",
+                        -1,
+                    )
+                )
+            vpages = pages[valid]
+        else:
+            vpages = pages
+        prev = owner[vpages]
+        inuse = prev >= USED_UNOWNED
+        if self.in_group and dedup:
+            # A second set-shaped free of a page held by this group is merged by the inner's own dedup.
+            inuse |= prev == HELD_SET
+        if not inuse.all():
+            bad += self._classify_free(vpages, prev, inuse, op)
+        if not dedup and vpages.size > 1:
+            u, counts = np.unique(vpages, return_counts=True)
+            twice = u[counts > 1]
+            if twice.size:
+                slot = int(owner[twice[0]])
+                bad.append(
+                    (
+                        "double_free",
+                        f"{op} frees {_pages_list(twice)} more than once in one call (no dedup on this path)",
+                        slot if slot >= 0 else -1,
+                    )
+                )
+        return bad, (pages, vpages, prev, n_entries, dedup)
+
+    def _classify_free(self, vpages, prev, inuse, op) -> list:
+        bad = []
+        idx = np.flatnonzero(~inuse)
+        bp, bprev = vpages[idx], prev[idx]
+        unalloc = bprev == PRISTINE
+        reserved = bprev == RESERVED
+        double = ~unalloc & ~reserved
+        if double.any():
+            bad.append(
+                (
+                    "double_free",
+                    f"{op} frees {_pages_list(np.unique(bp[double]))} that are not in use "
+                    f"(page {int(bp[double][0])} is {_describe(int(bprev[double][0]))})",
+                    -1,
+                )
+            )
+        if unalloc.any():
+            bad.append(
+                (
+                    "free_unallocated",
+                    f"{op} frees {_pages_list(np.unique(bp[unalloc]))} never handed out since clear()",
+                    -1,
+                )
+            )
+        if reserved.any():
+            bad.append(("reserved_page_touched", f"{op} frees reserved page 0", -1))
+        return bad
+
+    def apply_free(self, plan) -> np.ndarray:
+        """Mirror the inner's free. Returns the owner slots (>= 0) of the pages that were in use."""
+        pages, vpages, prev, n_entries, dedup = plan
+        owners = prev[prev >= 0]
+        if owners.size:
+            owned = self.owned
+            ledger = self._ledger
+            u, counts = np.unique(owners, return_counts=True)
+            np.maximum.at(ledger.peak_pages, u, owned[u])
+            owned[u] -= counts
+        if self.in_group:
+            (self.held_set if dedup else self.held_ids).append(pages)
+            self.owner[vpages] = HELD_SET if dedup else HELD_IDS
+        else:
+            self.owner[vpages] = STAGED if self.need_sort else FREE
+            if self.need_sort:
+                self.n_staged += n_entries
+            self.expected_entries += n_entries
+        return owners
+
+    def group_begin(self) -> None:
+        self.in_group = True
+        self.held_set, self.held_ids = [], []
+
+    def group_end(self) -> None:
+        self.in_group = False
+        code = STAGED if self.need_sort else FREE
+        n = 0
+        for held, dedup in ((self.held_set, True), (self.held_ids, False)):
+            if not held:
+                continue
+            pages = np.concatenate(held)
+            if dedup:
+                pages = np.unique(pages)
+            n += pages.size
+            v = pages[(pages >= 1) & (pages < self.owner.size)]
+            v = v[self.owner[v] <= HELD_SET]
+            self.owner[v] = code
+        self.held_set, self.held_ids = [], []
+        self.expected_entries += n
+        if self.need_sort:
+            self.n_staged += n
+
+    def merged(self) -> None:
+        """The inner merged its need_sort staging into the free list."""
+        if self.n_staged:
+            self.owner[self.owner == STAGED] = FREE
+            self.n_staged = 0
+
+    # -- conservation -----------------------------------------------------------------------------------------
+    def check_count(self, inner_entries: int, op: str) -> list:
+        """Count conservation: the inner's free+staged entries against the shadow's expectation (host ints)."""
+        delta = inner_entries - self.expected_entries
+        if delta == 0:
+            return []
+        self.expected_entries = inner_entries
+        if delta < 0:
+            self.unexplained_loss += -delta
+            what = f"{-delta} pages left the free list without being handed out"
+        else:
+            what = f"{delta} pages appeared in the free list without being freed"
+        return [
+            (
+                "pool_conservation",
+                f"{op}: pool {self.name} has {inner_entries} free+staged pages, the shadow expected "
+                f"{inner_entries - delta}: {what}",
+                -1,
+            )
+        ]
+
+    def check_census(self, census: np.ndarray) -> list:
+        """Full sweep against the inner's free list + staging (host copy). May be slow; never on the hot path."""
+        bad: list = []
+        owner = self.owner
+        n = owner.size
+        inrange = census[(census >= 0) & (census < n)]
+        counts = np.bincount(inrange, minlength=n)
+        expected_in_list = (owner <= FREE) | (owner == STAGED)
+        lost = np.flatnonzero(expected_in_list & (counts == 0))
+        if lost.size:
+            explained = min(self.unexplained_loss, lost.size)
+            self.unexplained_loss -= explained
+            owner[lost] = USED_UNOWNED  # the allocator no longer lists them: they are not allocatable
+            if lost.size > explained:
+                bad.append(
+                    (
+                        "pool_conservation",
+                        f"sweep: pool {self.name}: {_pages_list(lost)} are neither in the free list nor handed out",
+                        -1,
+                    )
+                )
+        both = np.flatnonzero(~expected_in_list & (counts > 0) & (owner >= USED_UNOWNED))
+        new_both = [int(p) for p in both if ("both", int(p)) not in self.reported]
+        if new_both:
+            self.reported.update(("both", p) for p in new_both)
+            p0 = new_both[0]
+            bad.append(
+                (
+                    "pool_conservation",
+                    f"sweep: pool {self.name}: {_pages_list(np.asarray(new_both))} are in the free list and in use "
+                    f"(page {p0} is {_describe(int(owner[p0]))})",
+                    int(owner[p0]) if owner[p0] >= 0 else -1,
+                )
+            )
+        dups = np.flatnonzero(counts > 1)
+        new_dups = [int(p) for p in dups if ("dup", int(p)) not in self.reported]
+        if new_dups and census.size != self.expected_entries:
+            bad.append(
+                (
+                    "pool_conservation",
+                    f"sweep: pool {self.name}: {_pages_list(np.asarray(new_dups))} are listed more than once "
+                    "in the free list",
+                    -1,
+                )
+            )
+        self.reported.update(("dup", p) for p in new_dups)
+        self.expected_entries = int(census.size)
+        return bad
+
+    def counts(self) -> dict[str, int]:
+        o = self.owner
+        return {
+            "free": int(np.count_nonzero(o <= FREE)),
+            "used": int(np.count_nonzero(o >= USED_UNOWNED)),
+            "staged": int(np.count_nonzero((o >= HELD_IDS) & (o <= STAGED))),
+            "reserved": int(np.count_nonzero(o == RESERVED)),
+        }

@@ -1,0 +1,1291 @@
+"""``InstrumentedAllocator``: a drop-in wrapper that checks every invariant of a KV page allocator, per request,
+on every call, and turns each failure into a structured ``Violation``.
+
+Contracts:
+- Drop-in: same methods, arguments and return values as the inner allocator (ours or SGLang's own classes,
+  duck-typed). Every other attribute is forwarded untouched, reads and writes. The wrapper is an instance of a
+  generated subclass of ``type(inner)``, so ``isinstance(wrapped, SWATokenToKVPoolAllocator)`` takes the same
+  branch as the bare allocator does (SGLang's scheduler branches on it).
+- Results: for every well-formed call the inner allocator runs exactly the call it was given, in every mode, so
+  results and inner state are bit-identical to a bare allocator's run of the same calls. In ``mode="raise"`` a
+  free whose indices are on the host and break an invariant is refused before it reaches the inner allocator
+  (fail early, before corruption); everything else is checked after the call.
+- Malformed calls (wrong type, dtype, device or shape; negative lengths; prefix > seq) are never forwarded (in any
+  mode but off): recorded as ``invalid_argument``, then ``TypeError``/``ValueError`` naming the argument.
+- No device sync: the host tier reads only ``*_cpu`` tensors, Python ints and tensor metadata. The slot tier reads
+  the values of handed-out / freed indices: at once when they are CPU tensors (``verify="auto"`` or
+  ``"immediate"``); otherwise (``verify="deferred"``, or accelerator tensors under ``"auto"``) they are copied
+  with ``non_blocking=True`` (into pinned memory on CUDA, with an event) and verified in call order at the next
+  ``step()`` whose copies are complete, or at ``flush()`` / ``check_consistency()`` (which may wait).
+- Threading: every instrumented call holds the wrapper's lock, so calls from several threads are serialised and
+  keep working; the engine's own ordering between threads is the engine's business.
+- Sinks get the events of one call as one batch after the call; a failing sink never reaches the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from instrumented_alloc import events as ev
+from instrumented_alloc.argcheck import (
+    ArgumentError,
+    ArgumentValueError,
+    check_batch,
+    check_index_tensor,
+    check_int,
+)
+from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
+from instrumented_alloc.ledger import KvLedger
+from instrumented_alloc.shadow import LedgerSnapshot, PoolShadow, PoolSnapshot
+
+MODES = ("raise", "record", "off")
+VERIFY = ("auto", "immediate", "deferred")
+
+# Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
+INSTRUMENTED_OPS = (
+    "alloc",
+    "alloc_extend",
+    "alloc_decode",
+    "alloc_extend_swa_tail",
+    "alloc_logical_only",
+    "free",
+    "free_page_ids",
+    "free_segment",
+    "free_full",
+    "free_full_segment",
+    "free_swa",
+    "free_swa_segment",
+    "free_group_begin",
+    "free_group_end",
+    "merge_and_sort_free",
+    "clear",
+)
+
+_OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
+
+
+class _Pool:
+    """One pool's allocator object and the shadow of its pages."""
+
+    def __init__(self, name: str, allocator, shadow: PoolShadow, dedup_free: bool):
+        self.name = name
+        self.allocator = allocator
+        self.shadow = shadow
+        self.dedup_free = dedup_free
+        self.page_size = shadow.page_size
+
+    def entries(self) -> int:
+        """Free + staged pages as the inner allocator counts them (host ints and tensor lengths only)."""
+        return self.allocator.available_size() // self.page_size
+
+    def staged(self) -> int:
+        a = self.allocator
+        n = getattr(a, "num_staged_pages", None)
+        if n is not None:
+            return int(n)
+        rel = getattr(a, "release_pages", None)
+        return 0 if rel is None else len(rel)
+
+    def census(self) -> np.ndarray:
+        """Every free and staged page id the inner lists (a host copy: may synchronise)."""
+        pages = self.allocator.get_all_free_pages()
+        return pages.detach().to("cpu").numpy().astype(np.int64, copy=False)
+
+
+def _make_pool(name: str, allocator, ledger: KvLedger, need_sort: bool) -> _Pool:
+    ps = int(allocator.page_size)
+    paged = hasattr(allocator, "num_pages")
+    num_pages = int(allocator.num_pages) if paged else int(allocator.size)
+    shadow = PoolShadow(name, ps, num_pages, dedup_free=paged, need_sort=need_sort, ledger=ledger)
+    return _Pool(name, allocator, shadow, paged)
+
+
+class _Missing:
+    """Hides an instrumented method the inner class lacks, so ``hasattr`` answers as for the bare allocator."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(f"{owner.__name__ if owner else 'allocator'} has no attribute {self.name!r}")
+
+
+def _forward_method(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._w_inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _forward_property(name: str):
+    return property(
+        lambda self: getattr(self._w_inner, name),
+        lambda self, value: setattr(self._w_inner, name, value),
+    )
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass_for(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is not None:
+        return sub
+    own = set()
+    for klass in InstrumentedAllocator.__mro__:
+        if klass is not object:
+            own.update(klass.__dict__)
+    ns: dict = {"__module__": __name__, "__doc__": InstrumentedAllocator.__doc__}
+    for name in dir(cls):
+        if (name.startswith("__") and name.endswith("__")) or name in own:
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr):
+            ns[name] = _forward_method(name)
+        else:
+            ns[name] = _forward_property(name)
+    for name in INSTRUMENTED_OPS:
+        if not hasattr(cls, name):
+            ns[name] = _Missing(name)
+    sub = type(f"Instrumented{cls.__name__}", (InstrumentedAllocator, cls), ns)
+    _SUBCLASSES[cls] = sub
+    return sub
+
+
+class InstrumentedAllocator:
+    """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts."""
+
+    def __new__(cls, inner=None, **kwargs):
+        if cls is InstrumentedAllocator:
+            if inner is None:
+                raise TypeError("InstrumentedAllocator(inner, ...): inner is required")
+            cls = _subclass_for(type(inner))
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        inner,
+        *,
+        mode: str = "record",
+        sliding_window: int | None = None,
+        verify: str = "auto",
+        sinks: Sequence[Callable] = (),
+        clock: Callable[[], float] = time.perf_counter,
+        snapshot_every: int = 0,
+        max_violations: int = 1000,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if verify not in VERIFY:
+            raise ValueError(f"verify: expected one of {VERIFY}, got {verify!r}")
+        if sliding_window is not None:
+            check_int("sliding_window", sliding_window, minimum=1)
+        s = object.__setattr__
+        s(self, "_w_inner", inner)
+        s(self, "inner", inner)
+        s(self, "mode", mode)
+        s(self, "_w_off", mode == "off")
+        s(self, "_w_raise", mode == "raise")
+        s(self, "_w_clock", clock)
+        s(self, "_w_lock", threading.RLock())
+        s(self, "_w_step", 0)
+        s(self, "_w_seq", 0)
+        s(self, "_w_events", [])
+        s(self, "_w_to_raise", [])
+        s(self, "_w_pending", deque())
+        s(self, "_w_bound", None)
+        s(self, "_w_snapshot_every", int(snapshot_every))
+        s(self, "_w_mismatch_reported", {})
+        s(self, "bus", ev.EventBus(sinks))
+        s(self, "violations", deque(maxlen=max_violations))
+        s(self, "violation_counts", Counter())
+        s(self, "trace_id_for", None)
+
+        ps = int(inner.page_size)
+        device = torch.device(inner.device)
+        need_sort = bool(getattr(inner, "need_sort", False))
+        full_alloc = getattr(inner, "full_attn_allocator", None)
+        swa_alloc = getattr(inner, "swa_attn_allocator", None)
+        logical = getattr(inner, "logical_attn_allocator", None)
+        if full_alloc is not None and swa_alloc is not None:
+            names, allocs = ("full", "swa"), (full_alloc, swa_alloc)
+        elif logical is not None:
+            names, allocs = ("full",), (logical,)
+        else:
+            names, allocs = ("full",), (inner,)
+        ledger = KvLedger(ps, sliding_window=sliding_window, pools=names)
+        ledger._observer = self
+        s(self, "ledger", ledger)
+        s(self, "_w_ps", ps)
+        s(self, "_w_device", device)
+        s(self, "_w_window", sliding_window)
+        s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
+        s(self, "_w_full", self._w_pools["full"])
+        s(self, "_w_swa", self._w_pools.get("swa"))
+        s(self, "_w_mapping_owner", inner if self._w_swa is not None else None)
+        deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
+        s(self, "_w_deferred", deferred)
+        s(self, "_w_cuda", device.type == "cuda")
+
+    # -- attribute forwarding ---------------------------------------------------------------------------------
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: the inner allocator's instance attributes.
+        try:
+            inner = object.__getattribute__(self, "_w_inner")
+        except AttributeError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_w_") or name in _OWN_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._w_inner, name, value)
+
+    def __repr__(self) -> str:
+        return f"InstrumentedAllocator({self._w_inner!r}, mode={self.mode!r})"
+
+    # -- public API beyond SGLang's ---------------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        return self._w_step
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(self._w_pools)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self._w_window
+
+    @property
+    def deferred(self) -> bool:
+        return self._w_deferred
+
+    def subscribe(self, sink) -> None:
+        self.bus.subscribe(sink)
+
+    def unsubscribe(self, sink) -> None:
+        self.bus.unsubscribe(sink)
+
+    @contextlib.contextmanager
+    def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
+        """Bind the next calls' per-request segments to ``rids``, in batch order.
+
+        ``lens`` (optional) gives each request's share of a plain ``alloc(n)`` (page size 1 extends, where the
+        call itself carries no per-request lengths); decode (``n == len(rids)``) and single-request allocs need
+        none. Binding does not nest.
+        """
+        rids = tuple(rids)
+        if len(set(rids)) != len(rids):
+            raise ArgumentValueError("rids", "a request id appears twice in one batch")
+        if lens is not None and len(lens) != len(rids):
+            raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
+        with self._w_lock:
+            if self._w_bound is not None:
+                raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
+            slots = self.ledger.slots_of(rids)
+            self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64))
+        try:
+            yield self
+        finally:
+            self._w_bound = None
+
+    def release_request(self, rid) -> None:
+        """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
+        if self._w_off:
+            return
+        with self._w_lock:
+            if rid not in self.ledger:
+                self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"))
+            self._slot_tier(lambda: self._do_release(rid))
+            self._finish()
+
+    def step(self) -> None:
+        """A step boundary: deferred checks whose copies are complete, count conservation, the ledger against
+        the pages, periodic snapshots. Never waits on the device."""
+        if self._w_off:
+            return
+        with self._w_lock:
+            self._w_step += 1
+            self._drain(wait=False)
+            if not self._w_pending:
+                self._boundary_checks("step")
+            if self.bus.active:
+                self._emit(
+                    ev.StepBoundary,
+                    available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
+                )
+                if self._w_snapshot_every and self._w_step % self._w_snapshot_every == 0:
+                    self._emit_snapshots()
+            self._finish()
+
+    def flush(self) -> None:
+        """Complete every deferred check (waits for outstanding device copies) and the count checks."""
+        if self._w_off:
+            return
+        with self._w_lock:
+            self._drain(wait=True)
+            self._boundary_checks("flush")
+            self._finish()
+
+    def check_consistency(self) -> list[Violation]:
+        """A full sweep, for idle time: conservation against the inner's free lists, free-list duplicates,
+        pages owned by finished requests, the SWA mapping, the ledger against the pages. May synchronise."""
+        if self._w_off:
+            return []
+        with self._w_lock:
+            before = sum(self.violation_counts.values())
+            self._drain(wait=True)
+            found = []
+            for pool in self._w_pools.values():
+                found += [(pool.name, b) for b in pool.shadow.check_census(pool.census())]
+            for pool_name, (inv, msg, slot) in found:
+                self._violate(inv, msg, slot=slot, pool=pool_name, op="sweep")
+            self._sweep_leaks()
+            if self._w_swa is not None:
+                self._sweep_mapping()
+            self._boundary_checks("sweep")
+            new = sum(self.violation_counts.values()) - before
+            recent = list(self.violations)[-new:] if new else []
+            self._finish()
+            return recent
+
+    def snapshot(self) -> dict[str, PoolSnapshot]:
+        """A copy of every pool's page states and owners, with the live requests' ledger columns. Host only."""
+        with self._w_lock:
+            if self._w_deferred and not self._w_off:
+                self._drain(wait=True)
+            led = self.ledger
+            slots = led.live_slots()
+            rids = tuple(led.rid_of(int(s)) for s in slots)
+            lsnap = LedgerSnapshot(
+                rids=rids,
+                slots=slots,
+                allocated=led.allocated[slots].copy(),
+                committed=led.committed[slots].copy(),
+                evicted=led.evicted[slots].copy(),
+                sliding_window=self._w_window,
+            )
+            owner_slots = {}
+            for p in self._w_pools.values():
+                used = np.unique(p.shadow.owner[p.shadow.owner >= 0])
+                owner_slots.update({int(s): led.rid_of(int(s)) for s in used})
+            return {
+                n: PoolSnapshot(
+                    pool=n,
+                    page_size=p.page_size,
+                    num_pages=p.shadow.num_pages,
+                    owner=p.shadow.owner.copy(),
+                    step=self._w_step,
+                    ledger=lsnap,
+                    slot_rids=owner_slots,
+                )
+                for n, p in self._w_pools.items()
+            }
+
+    # -- ledger observer (called by KvLedger on checked writes) -----------------------------------------------
+    def ledger_rejected(self, slot: int, rid, violations, exc=None) -> None:
+        with self._w_lock:
+            self.ledger.tainted.add(slot)
+            for inv, msg in violations:
+                self._violate(inv, msg, slot=slot, op="ledger", pool=None)
+            if exc is not None:
+                self._w_to_raise.clear()  # the argument error itself is raised by the ledger
+                self._deliver()
+                return
+            self._finish()
+
+    def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
+        if not self.bus.active:
+            return
+        with self._w_lock:
+            self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
+            if field == "swa_evicted_seqlen":
+                ps = self._w_ps
+                self._emit(ev.SwaEvict, rid=rid, old=old, new=new, n_pages=new // ps - old // ps)
+            self._deliver()
+
+    # -- allocation ops ---------------------------------------------------------------------------------------
+    def alloc(self, need_size: int):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.alloc(need_size)
+        with self._w_lock:
+            op = "alloc"
+            n = self._validate(op, check_int, "need_size", need_size)
+            before = self._entries_before()
+            t0 = self._w_clock()
+            out = inner.alloc(n)
+            dt = self._w_clock() - t0
+            if out is None:
+                return self._alloc_none(op, n, before)
+            ps = self._w_ps
+            expect = n if ps == 1 else n // ps * ps
+            got = int(out.shape[0])
+            if got != n:
+                self._violate(
+                    "alloc_length_mismatch",
+                    f"alloc({n}) returned {got} slots"
+                    + (f" (page size {ps}: {n} is not a multiple, {expect} handed out)" if got == expect else ""),
+                    op=op,
+                    pool="full",
+                )
+            own, grow = self._alloc_owners(n if got == n else got)
+            full = self._w_full
+            if ps == 1:
+
+                def verify(o, s=None):
+                    bad = full.shadow.on_alloc(o, own, None, got, op)
+                    self._report(bad, "full", op)
+                    if s is not None:
+                        self._report(self._w_swa.shadow.on_alloc(s, own, None, got, op), "swa", op)
+
+            else:
+
+                def verify(o, s=None):
+                    starts = o[::ps]
+                    if (starts % ps).any():
+                        self._violate(
+                            "slot_page_alignment",
+                            f"alloc returned a page not starting at a page boundary: slots {starts[:4].tolist()}",
+                            op=op,
+                            pool="full",
+                        )
+                    self._report(full.shadow.on_alloc(starts // ps, own, None, got // ps, op), "full", op)
+
+            self._host_alloc_ledger(grow, None)
+            if self._w_swa is not None:
+                self._slot_tier(verify, out, self._swa_peer(out))
+            else:
+                self._slot_tier(verify, out)
+            self._emit_alloc(op, got, got // ps, dt)
+            self._finish()
+            return out
+
+    def alloc_extend(
+        self,
+        prefix_lens,
+        prefix_lens_cpu,
+        seq_lens,
+        seq_lens_cpu,
+        last_loc,
+        extend_num_tokens,
+        *args,
+        **kwargs,
+    ):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.alloc_extend(
+                prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, *args, **kwargs
+            )
+        return self._extend(
+            "alloc_extend",
+            inner.alloc_extend,
+            (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, *args),
+            kwargs,
+        )
+
+    def alloc_logical_only(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
+        inner = self._w_inner
+        args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
+        if self._w_off:
+            return inner.alloc_logical_only(*args)
+        return self._extend("alloc_logical_only", inner.alloc_logical_only, args, {}, swa=False)
+
+    def alloc_extend_swa_tail(
+        self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, swa_tail_len
+    ):
+        inner = self._w_inner
+        args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
+        if self._w_off:
+            return inner.alloc_extend_swa_tail(*args, swa_tail_len)
+        return self._extend("alloc_extend_swa_tail", inner.alloc_extend_swa_tail, args, {}, tail=swa_tail_len)
+
+    def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
+        with self._w_lock:
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
+            bs = self._validate(
+                op,
+                check_batch,
+                self._w_device,
+                prefix_lens=prefix_lens,
+                prefix_lens_cpu=prefix_lens_cpu,
+                seq_lens=seq_lens,
+                seq_lens_cpu=seq_lens_cpu,
+                last_loc=last_loc,
+                extend_num_tokens=n,
+            )
+            if tail is not None:
+                tail = self._validate(op, check_int, "swa_tail_len", tail)
+                if bs != 1:
+                    self._invalid(
+                        op, ArgumentValueError("seq_lens", f"SWA tail allocation takes batch size 1, got {bs}")
+                    )
+                if tail > n:
+                    self._invalid(op, ArgumentValueError("swa_tail_len", f"{tail} exceeds extend_num_tokens {n}"))
+            slots = self._bound_slots(bs, op)
+            before = self._entries_before()
+            t0 = self._w_clock()
+            out = call(*args, tail, **kwargs) if tail is not None else call(*args, **kwargs)
+            dt = self._w_clock() - t0
+            if out is None:
+                return self._alloc_none(op, n, before)
+            ps = self._w_ps
+            prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
+            seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
+            ext = seq - prefix
+            ceil_prefix = (prefix + ps - 1) // ps
+            ceil_seq = (seq + ps - 1) // ps
+            grow = ceil_seq - ceil_prefix
+            n_new = int(grow.sum())
+            got = int(out.shape[0])
+            if got != n:
+                self._violate(
+                    "alloc_length_mismatch", f"{op} returned {got} slots for extend_num_tokens={n}", op=op, pool="full"
+                )
+                self._emit_alloc(op, got, n_new, dt)
+                self._finish()
+                return out
+            # Position of every returned slot, and whether it opens a page taken from the free list.
+            first = np.cumsum(ext) - ext
+            pos = np.arange(n, dtype=np.int64) + np.repeat(prefix - first, ext)
+            new_mask = pos >= np.repeat(ceil_prefix * ps, ext)
+            own = -1 if slots is None else np.repeat(slots, ext)
+            full, swa_pool = self._w_full, self._w_swa
+            if slots is not None:
+                led = self.ledger
+                led.owned["full"][slots] += grow
+                led.committed[slots] = seq
+                led.allocated[slots] = ceil_seq * ps
+            swa_grow = None
+            if swa and swa_pool is not None:
+                if tail is None:
+                    swa_grow, swa_pos, swa_new, swa_own, swa_n_new = grow, pos, new_mask, own, n_new
+                    peer = self._swa_peer(out)
+                elif tail > 0:
+                    swa_n_new = (tail + ps - 1) // ps
+                    swa_grow = np.array([swa_n_new], np.int64)
+                    swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                    swa_new = np.ones(tail, bool)
+                    swa_own = own if slots is None else own[-tail:]
+                    peer = self._swa_peer(out[-tail:])
+                if swa_grow is not None and slots is not None:
+                    self.ledger.owned["swa"][slots] += swa_grow
+
+            def verify(o, s=None):
+                if ((o - pos) % ps).any():
+                    self._misaligned(o, pos, own, op, "full")
+                self._report(full.shadow.on_alloc(o // ps, own, new_mask, n_new, op), "full", op)
+                if s is not None:
+                    if ((s - swa_pos) % ps).any():
+                        self._misaligned(s, swa_pos, swa_own, op, "swa")
+                    self._report(swa_pool.shadow.on_alloc(s // ps, swa_own, swa_new, swa_n_new, op), "swa", op)
+
+            if swa_grow is not None:
+                self._slot_tier(verify, out, peer)
+            else:
+                self._slot_tier(verify, out)
+            self._emit_alloc(op, got, n_new, dt)
+            self._finish()
+            return out
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        with self._w_lock:
+            op = "alloc_decode"
+            bs = self._validate(
+                op, check_batch, self._w_device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
+            )
+            slots = self._bound_slots(bs, op)
+            before = self._entries_before()
+            t0 = self._w_clock()
+            out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            dt = self._w_clock() - t0
+            if out is None:
+                return self._alloc_none(op, bs, before)
+            ps = self._w_ps
+            seq = seq_lens_cpu.numpy()
+            pos = seq - 1
+            # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
+            new_mask = seq % ps == 1
+            n_new = int(np.count_nonzero(new_mask))
+            got = int(out.shape[0])
+            if got != bs:
+                self._violate(
+                    "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
+                )
+                self._emit_alloc(op, got, n_new, dt)
+                self._finish()
+                return out
+            own = -1 if slots is None else slots
+            if slots is not None:
+                led = self.ledger
+                led.owned["full"][slots] += new_mask
+                led.committed[slots] = seq
+                led.allocated[slots] = (seq + (ps - 1)) // ps * ps
+            full, swa_pool = self._w_full, self._w_swa
+
+            def verify(o, s=None):
+                if ((o - pos) % ps).any():
+                    self._misaligned(o, pos, own, op, "full")
+                bad = full.shadow.on_alloc(o // ps, own, new_mask, n_new, op)
+                if bad:
+                    self._report(bad, "full", op)
+                if s is not None:
+                    if ((s - pos) % ps).any():
+                        self._misaligned(s, pos, own, op, "swa")
+                    self._report(swa_pool.shadow.on_alloc(s // ps, own, new_mask, n_new, op), "swa", op)
+
+            if swa_pool is not None:
+                if slots is not None:
+                    self.ledger.owned["swa"][slots] += new_mask
+                self._slot_tier(verify, out, self._swa_peer(out))
+            else:
+                self._slot_tier(verify, out)
+            if self.bus.active:
+                self._emit_alloc(op, got, n_new, dt)
+            self._finish()
+            return out
+
+    # -- free ops ---------------------------------------------------------------------------------------------
+    def free(self, free_index):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free(free_index)
+        with self._w_lock:
+            op = "free"
+            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
+            if free_index.numel() == 0:
+                return inner.free(free_index)
+            parts = self._full_set_part(free_index)
+            if self._w_swa is not None:
+                parts = self._swa_set_part(free_index) + parts
+            return self._free(op, lambda: inner.free(free_index), parts)
+
+    def free_full(self, free_index):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_full(free_index)
+        with self._w_lock:
+            op = "free_full"
+            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
+            if free_index.numel() == 0:
+                return inner.free_full(free_index)
+            parts = self._full_set_part(free_index)
+            if self._w_swa is not None:
+                parts = [self._peer_released_check(free_index, op), *parts]
+            return self._free(op, lambda: inner.free_full(free_index), parts)
+
+    def free_page_ids(self, page_ids):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_page_ids(page_ids)
+        with self._w_lock:
+            op = "free_page_ids"
+            self._validate(op, check_index_tensor, "page_ids", page_ids, self._w_device)
+            if page_ids.numel() == 0:
+                return inner.free_page_ids(page_ids)
+            part = (self._w_full, lambda p: (p, False, None), (page_ids,))
+            return self._free(op, lambda: inner.free_page_ids(page_ids), [part])
+
+    def free_segment(self, free_index, *, start_pos):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_segment(free_index, start_pos=start_pos)
+        with self._w_lock:
+            op = "free_segment"
+            self._segment_args(op, free_index, start_pos)
+            if free_index.numel() == 0:
+                return inner.free_segment(free_index, start_pos=start_pos)
+            parts = [self._full_segment_part(free_index)]
+            if self._w_swa is not None:
+                parts.insert(0, self._swa_segment_part(free_index, op))
+            return self._free(op, lambda: inner.free_segment(free_index, start_pos=start_pos), parts)
+
+    def free_full_segment(self, free_index, *, start_pos):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_full_segment(free_index, start_pos=start_pos)
+        with self._w_lock:
+            op = "free_full_segment"
+            self._segment_args(op, free_index, start_pos)
+            if free_index.numel() == 0:
+                return inner.free_full_segment(free_index, start_pos=start_pos)
+            if self._w_swa is not None:
+                parts = [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
+            else:
+                # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
+                parts = self._full_set_part(free_index)
+            return self._free(op, lambda: inner.free_full_segment(free_index, start_pos=start_pos), parts)
+
+    def free_swa(self, free_index):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_swa(free_index)
+        with self._w_lock:
+            op = "free_swa"
+            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
+            if free_index.numel() == 0 or self._w_swa is None:
+                return inner.free_swa(free_index)
+            return self._free(op, lambda: inner.free_swa(free_index), self._swa_set_part(free_index))
+
+    def free_swa_segment(self, free_index, *, start_pos):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_swa_segment(free_index, start_pos=start_pos)
+        with self._w_lock:
+            op = "free_swa_segment"
+            self._segment_args(op, free_index, start_pos)
+            if free_index.numel() == 0 or self._w_swa is None:
+                return inner.free_swa_segment(free_index, start_pos=start_pos)
+            part = self._swa_segment_part(free_index, op)
+            return self._free(op, lambda: inner.free_swa_segment(free_index, start_pos=start_pos), [part])
+
+    def free_group_begin(self):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_group_begin()
+        with self._w_lock:
+            result = inner.free_group_begin()
+            self._slot_tier(self._group_begin)
+            return result
+
+    def free_group_end(self):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.free_group_end()
+        with self._w_lock:
+            result = inner.free_group_end()
+            self._slot_tier(self._group_end)
+            self._finish()
+            return result
+
+    def merge_and_sort_free(self):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.merge_and_sort_free()
+        with self._w_lock:
+            result = inner.merge_and_sort_free()
+            self._slot_tier(self._merged)
+            return result
+
+    def clear(self):
+        inner = self._w_inner
+        if self._w_off:
+            return inner.clear()
+        with self._w_lock:
+            result = inner.clear()
+            self._slot_tier(self._cleared)
+            self._finish()
+            return result
+
+    # -- free parts: (pool, fn(arrays) -> (pages, dedup, unmapped_mask), tensors) ---------------------------------
+    def _full_set_part(self, free_index) -> list:
+        full = self._w_full
+        ps = self._w_ps
+        if full.dedup_free:
+            return [(full, lambda idx: (idx // ps, True, None), (free_index,))]
+        return [(full, lambda idx: (idx, False, None), (free_index,))]
+
+    def _full_segment_part(self, free_index):
+        full = self._w_full
+        ps = self._w_ps
+        if full.dedup_free:
+            return (full, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
+        return (full, lambda idx: (idx, False, None), (free_index,))
+
+    def _swa_set_part(self, free_index) -> list:
+        swa = self._w_swa
+        ps = self._w_ps
+        mapping = self._w_inner.full_to_swa_index_mapping
+        idx = free_index.to(torch.int64)
+        if ps == 1:
+            peers = mapping[idx]
+            return [(swa, lambda p: self._peers_mapped(p, "free_swa"), (peers,))]
+        expanded = (idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)
+        peers = mapping[expanded.reshape(-1)]
+        return [(swa, lambda p: (p[p > 0] // ps, True, None), (peers,))]
+
+    def _swa_segment_part(self, free_index, op):
+        swa = self._w_swa
+        ps = self._w_ps
+        mapping = self._w_inner.full_to_swa_index_mapping
+        peers = mapping[free_index[::ps].to(torch.int64)]
+        return (swa, lambda p: self._peers_mapped(p, op), (peers,))
+
+    def _peers_mapped(self, peers: np.ndarray, op: str):
+        """SWA peers of page representatives must be mapped (> 0) when their SWA KV is freed."""
+        ps = self._w_ps
+        unmapped = peers <= 0
+        if unmapped.any():
+            self._violate(
+                "swa_mapping_inconsistent",
+                f"{op}: {int(np.count_nonzero(unmapped))} of {peers.size} full pages have no live SWA peer "
+                "(already evicted or never mapped); the SWA allocator will release page 0 for them",
+                op=op,
+                pool="swa",
+            )
+            return peers // ps, False, unmapped
+        return peers // ps, False, None
+
+    def _peer_released_check(self, free_index, op):
+        mapping = self._w_inner.full_to_swa_index_mapping
+        peers = mapping[free_index.to(torch.int64)]
+
+        def check(p):
+            still = np.count_nonzero(p > 0)
+            if still:
+                self._violate(
+                    "swa_mapping_inconsistent",
+                    f"{op}: {still} of {p.size} slots still map to a live SWA peer; free_swa must come first "
+                    "(their SWA pages are stranded)",
+                    op=op,
+                    pool="swa",
+                )
+            return None
+
+        return (None, check, (peers,))
+
+    def _segment_args(self, op, free_index, start_pos) -> None:
+        self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
+        start = self._validate(op, check_int, "start_pos", start_pos)
+        if start % self._w_ps:
+            self._violate(
+                "segment_start_unaligned",
+                f"{op}: start_pos={start} is not a multiple of page_size={self._w_ps}",
+                op=op,
+                pool="full",
+            )
+            self._finish()
+
+    def _free(self, op: str, forward: Callable, parts: list):
+        """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""
+        t0 = self._w_clock()
+
+        def plan_all(arrays_per_part):
+            plans = []
+            for (pool, fn, _), arrays in zip(parts, arrays_per_part):
+                r = fn(*arrays)
+                if pool is None or r is None:
+                    continue
+                pages, dedup, unmapped = r
+                bad, plan = pool.shadow.plan_free(pages, dedup=dedup, op=op, unmapped=unmapped)
+                self._report(bad, pool.name, op)
+                plans.append((pool, plan))
+            return plans
+
+        def apply_all(plans):
+            touched = []
+            for pool, plan in plans:
+                owners = pool.shadow.apply_free(plan)
+                touched.append((pool, owners, plan[3]))
+            self._after_free(op, touched)
+
+        if not self._w_deferred:
+            plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
+            if self._w_raise and self._w_to_raise:
+                self._finish()  # raises: the inner allocator never sees the bad free
+            result = forward()
+            apply_all(plans)
+        else:
+            tensors = [t for _, _, ts in parts for t in ts]
+            shapes = [len(ts) for _, _, ts in parts]
+
+            def deferred(*arrays):
+                grouped, i = [], 0
+                for k in shapes:
+                    grouped.append(arrays[i : i + k])
+                    i += k
+                apply_all(plan_all(grouped))
+
+            self._slot_tier(deferred, *tensors)
+            result = forward()
+        if self.bus.active:
+            dt = self._w_clock() - t0
+            self._w_last_free_dt = dt
+        self._finish()
+        return result
+
+    def _after_free(self, op: str, touched) -> None:
+        led = self.ledger
+        ps = self._w_ps
+        slots_all = []
+        for pool, owners, n_entries in touched:
+            if owners.size:
+                slots = np.unique(owners)
+                slots_all.append(slots)
+                if pool.name == "full":
+                    # The request's allocated length follows its full-pool pages when they shrink.
+                    cap = led.owned["full"][slots] * ps
+                    led.allocated[slots] = np.minimum(led.allocated[slots], cap)
+                    led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
+            if self.bus.active:
+                rids = tuple(led.rid_of(int(s)) for s in np.unique(owners)) if owners.size else ()
+                self._emit(
+                    ev.Free,
+                    op=op,
+                    pool=pool.name,
+                    n_pages=int(n_entries),
+                    rids=rids,
+                    duration=getattr(self, "_w_last_free_dt", 0.0),
+                )
+        if slots_all:
+            slots = np.unique(np.concatenate(slots_all))
+            empty = np.ones(slots.size, bool)
+            for arr in led.owned.values():
+                empty &= arr[slots] <= 0
+            for s in slots[empty]:
+                led.reset(int(s))
+                led.tainted.discard(int(s))
+
+    # -- slot tier plumbing -------------------------------------------------------------------------------------
+    def _slot_tier(self, fn: Callable, *tensors) -> None:
+        """Run ``fn`` on host views of ``tensors``: now (CPU, immediate) or, in call order, once their
+        non-blocking copies have landed (deferred)."""
+        if not self._w_deferred:
+            fn(*(t.numpy() for t in tensors))
+            return
+        event = None
+        if self._w_cuda and tensors:
+            copies = []
+            for t in tensors:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                copies.append(buf)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            # The caller may reuse its tensor (a view of req_to_token) before the boundary: keep a copy.
+            copies = [t.detach().to("cpu", copy=True) for t in tensors]
+        self._w_pending.append((fn, copies, event))
+
+    def _drain(self, *, wait: bool) -> None:
+        pending = self._w_pending
+        while pending:
+            fn, copies, event = pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            pending.popleft()
+            fn(*(c.numpy() for c in copies))
+
+    def _swa_peer(self, full_slots):
+        return self._w_inner.full_to_swa_index_mapping[full_slots.to(torch.int64)]
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _validate(self, op: str, check: Callable, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except ArgumentError as exc:
+            self._invalid(op, exc)
+
+    def _invalid(self, op: str, exc: Exception):
+        self._violate("invalid_argument", f"{op}: {exc}", op=op)
+        self._w_to_raise.clear()  # the argument error is what the caller gets, in every mode
+        self._deliver()
+        raise exc
+
+    def _bound_slots(self, bs: int, op: str):
+        bound = self._w_bound
+        if bound is None:
+            return None
+        rids, slots, _ = bound
+        if len(rids) != bs:
+            self._invalid(op, ArgumentValueError("batch", f"{len(rids)} request ids bound, the call has {bs} requests"))
+        return slots
+
+    def _alloc_owners(self, n: int):
+        """Owner per returned slot of a plain alloc(n), and each bound request's page growth."""
+        bound = self._w_bound
+        if bound is None:
+            return -1, None
+        rids, slots, lens = bound
+        ps = self._w_ps
+        if lens is not None and int(lens.sum()) == n:
+            shares = lens
+        elif len(rids) == 1:
+            shares = np.array([n], np.int64)
+        elif len(rids) == n:
+            shares = np.ones(n, np.int64)
+        else:
+            return -1, None
+        own = np.repeat(slots, shares) if ps == 1 else np.repeat(slots, shares // ps)
+        return own, (slots, shares)
+
+    def _host_alloc_ledger(self, grow, _unused) -> None:
+        if grow is None:
+            return
+        slots, shares = grow
+        led = self.ledger
+        ps = self._w_ps
+        pages = shares // ps if ps > 1 else shares
+        for name in led.owned:
+            led.owned[name][slots] += pages
+        led.allocated[slots] += pages * ps
+        led.committed[slots] += shares
+
+    def _entries_before(self):
+        return [p.entries() for p in self._w_pools.values()]
+
+    def _alloc_none(self, op: str, requested: int, before) -> None:
+        """The inner refused: it must not have taken any page (SGLang's SWA decode can; that is reported)."""
+        for pool, was in zip(self._w_pools.values(), before):
+            now = pool.entries()
+            if now != was:
+                pool.shadow.expected_entries = was
+                bad = pool.shadow.check_count(now, f"{op} returned None but")
+                self._report(bad, pool.name, op)
+        if self.bus.active:
+            bound = self._w_bound
+            self._emit(
+                ev.AllocFailed,
+                op=op,
+                pool="full",
+                requested=int(requested),
+                available=int(self._w_inner.available_size()),
+                rids=bound[0] if bound else (),
+            )
+        self._after_merge_check()
+        self._finish()
+        return None
+
+    def _after_merge_check(self) -> None:
+        for pool in self._w_pools.values():
+            if pool.shadow.n_staged and pool.staged() == 0:
+                self._slot_tier(pool.shadow.merged)
+
+    def _misaligned(self, o, pos, own, op, pool) -> None:
+        bad = np.flatnonzero((o - pos) % self._w_ps)
+        i = int(bad[0])
+        slot = int(own[i]) if isinstance(own, np.ndarray) else -1
+        self._violate(
+            "slot_page_alignment",
+            f"{op}: {bad.size} slots break slot % {self._w_ps} == position % {self._w_ps}; first: position "
+            f"{int(pos[i])} got slot {int(o[i])}",
+            slot=slot,
+            op=op,
+            pool=pool,
+        )
+
+    def _group_begin(self) -> None:
+        for p in self._w_pools.values():
+            p.shadow.group_begin()
+
+    def _group_end(self) -> None:
+        for p in self._w_pools.values():
+            p.shadow.group_end()
+
+    def _merged(self) -> None:
+        for p in self._w_pools.values():
+            p.shadow.merged()
+
+    def _cleared(self) -> None:
+        led = self.ledger
+        for p in self._w_pools.values():
+            p.shadow.clear()
+            led.owned[p.name][:] = 0
+        for s in led.live_slots():
+            led.reset(int(s))
+        led.tainted.clear()
+
+    def _do_release(self, rid) -> None:
+        led = self.ledger
+        slot = led.slot_of(rid, create=False)
+        held = {n: int(a[slot]) for n, a in led.owned.items()}
+        total = sum(held.values())
+        peak = max(int(led.peak_pages[slot]), int(led.owned["full"][slot]))
+        if total > 0:
+            detail = ", ".join(f"{n}: {v}" for n, v in held.items() if v)
+            self._violate(
+                "request_leak",
+                f"request {rid!r} released while still owning {total} pages ({detail})",
+                slot=slot,
+                op="release",
+                pool=next(n for n, v in held.items() if v),
+            )
+        if self.bus.active:
+            self._emit(ev.RequestReleased, rid=rid, pages_held=total, pages_peak=peak)
+        led.release(rid, leaked=total > 0)
+        led.tainted.discard(slot)
+
+    def _boundary_checks(self, op: str) -> None:
+        for pool in self._w_pools.values():
+            self._report(pool.shadow.check_count(pool.entries(), op), pool.name, op)
+        self._check_ledger_pages(op)
+
+    def _check_ledger_pages(self, op: str) -> None:
+        led = self.ledger
+        slots = led.live_slots()
+        if not slots.size:
+            return
+        ps = self._w_ps
+        want_full = (led.allocated[slots] + ps - 1) // ps
+        checks = [("full", want_full)]
+        if "swa" in led.owned:
+            checks.append(("swa", want_full - led.evicted[slots] // ps))
+        reported = self._w_mismatch_reported
+        for name, want in checks:
+            have = led.owned[name][slots]
+            bad = np.flatnonzero(have != want)
+            for i in bad:
+                s = int(slots[i])
+                if s in led.tainted:
+                    continue  # its root cause (a rejected ledger write) was reported already
+                key = (name, s)
+                fact = (int(want[i]), int(have[i]))
+                if reported.get(key) == fact:
+                    continue
+                reported[key] = fact
+                self._violate(
+                    "ledger_matches_pages",
+                    f"request {led.rid_of(s)!r}: kv_allocated_len={int(led.allocated[s])}"
+                    + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" else "")
+                    + f" means {fact[0]} {name} pages, it owns {fact[1]}",
+                    slot=s,
+                    op=op,
+                    pool=name,
+                )
+
+    def _sweep_leaks(self) -> None:
+        led = self.ledger
+        for pool in self._w_pools.values():
+            owners = pool.shadow.owner
+            used = np.unique(owners[owners >= 0])
+            dead = used[~led.live[used]]
+            for s in dead:
+                s = int(s)
+                key = ("leak", pool.name, s)
+                if key in pool.shadow.reported or led.leaked[s]:
+                    continue
+                pool.shadow.reported.add(key)
+                n = int(np.count_nonzero(owners == s))
+                self._violate(
+                    "request_leak",
+                    f"{n} {pool.name} pages are owned by finished request slot {s}",
+                    slot=s,
+                    op="sweep",
+                    pool=pool.name,
+                )
+
+    def _sweep_mapping(self) -> None:
+        mapping = self._w_inner.full_to_swa_index_mapping[:-1].detach().to("cpu").numpy()
+        ps = self._w_ps
+        full, swa = self._w_full.shadow, self._w_swa.shadow
+        mapped = np.flatnonzero(mapping > 0)
+        if not mapped.size:
+            return
+        swa_pages = mapping[mapped] // ps
+        in_range = swa_pages < swa.owner.size
+        swa_owner = np.full(swa_pages.shape, -100, np.int64)
+        swa_owner[in_range] = swa.owner[swa_pages[in_range]]
+        full_owner = full.owner[np.minimum(mapped // ps, full.owner.size - 1)]
+        dead_peer = swa_owner < -1
+        mismatch = (swa_owner >= 0) & (full_owner >= 0) & (swa_owner != full_owner)
+        for mask, what in (
+            (dead_peer, "point at SWA pages that are not in use"),
+            (mismatch, "point at SWA pages owned by another request"),
+        ):
+            pages = np.unique(mapped[mask] // ps)
+            key = ("map", what, tuple(pages[:16].tolist()))
+            if pages.size and key not in swa.reported:
+                swa.reported.add(key)
+                self._violate(
+                    "swa_mapping_inconsistent",
+                    f"sweep: full pages {pages[:8].tolist()} ({pages.size}) {what}",
+                    op="sweep",
+                    pool="swa",
+                )
+
+    # -- reporting ----------------------------------------------------------------------------------------
+    def _report(self, bad, pool: str | None, op: str) -> None:
+        for inv, msg, slot in bad:
+            self._violate(inv, msg, slot=slot, op=op, pool=pool)
+
+    def _violate(self, invariant: str, message: str, *, slot: int = -1, op: str = "", pool: str | None = None):
+        rid = self.ledger.rid_of(slot) if slot is not None and slot >= 0 else None
+        trace = None
+        if self.trace_id_for is not None and rid is not None:
+            try:
+                trace = self.trace_id_for(rid)
+            except Exception:
+                trace = None
+        v = Violation(
+            invariant=invariant,
+            message=message,
+            pool=pool,
+            rid=rid,
+            step=self._w_step,
+            op=op,
+            ts=self._w_clock(),
+            trace_id=trace,
+            severity=SEVERITY.get(invariant, "error"),
+        )
+        self.violations.append(v)
+        self.violation_counts[invariant] += 1
+        if self.bus.active:
+            self._emit(ev.ViolationEvent, violation=v)
+        if self._w_raise:
+            self._w_to_raise.append(v)
+        return v
+
+    def _emit(self, cls, **fields) -> None:
+        self._w_seq += 1
+        self._w_events.append(cls(seq=self._w_seq, ts=self._w_clock(), step=self._w_step, **fields))
+
+    def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float) -> None:
+        if self.bus.active:
+            bound = self._w_bound
+            self._emit(
+                ev.Alloc,
+                op=op,
+                pool="full",
+                n_slots=n_slots,
+                n_pages=n_pages,
+                rids=bound[0] if bound else (),
+                duration=dt,
+            )
+
+    def _emit_snapshots(self) -> None:
+        led = self.ledger
+        slots = led.live_slots()
+        ledger_rows = tuple(
+            (led.rid_of(int(s)), int(led.allocated[s]), int(led.committed[s]), int(led.evicted[s])) for s in slots
+        )
+        for p in self._w_pools.values():
+            owner = p.shadow.owner
+            used = np.unique(owner[owner >= 0])
+            self._emit(
+                ev.Snapshot,
+                pool=p.name,
+                page_size=p.page_size,
+                num_pages=p.shadow.num_pages,
+                owner=owner.astype("<i4", copy=False).tobytes(),
+                rids=tuple((int(s), led.rid_of(int(s))) for s in used),
+                ledger=ledger_rows,
+            )
+
+    def _deliver(self) -> None:
+        if self._w_events:
+            batch, self._w_events = self._w_events, []
+            self.bus.deliver(batch)
+
+    def _finish(self) -> None:
+        """End of a call: hand the events to the sinks, then (raise mode) raise the first violation."""
+        self._deliver()
+        if self._w_to_raise:
+            first = self._w_to_raise[0]
+            self._w_to_raise.clear()
+            raise InvariantViolation(first)
