@@ -163,8 +163,10 @@ class PoolShadow:
                 )
         stolen = bprev[dup & (bprev >= 0)]
         if stolen.size:
-            # Keep per-request counts equal to the owner array: the new owner takes the page over.
+            # Keep per-request counts equal to the owner array: the new owner takes the page over. Both
+            # requests' ledgers now disagree with their pages for this reported reason.
             np.subtract.at(self.owned, stolen, 1)
+            self._ledger.tainted.update(int(x) for x in np.unique(stolen))
         return bad
 
     # -- frees ------------------------------------------------------------------------------------------------

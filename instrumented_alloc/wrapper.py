@@ -69,6 +69,19 @@ INSTRUMENTED_OPS = (
     "clear",
 )
 
+# Page-level faults after which a request's ledger-vs-pages comparison says nothing new.
+_TAINTING = frozenset(
+    {
+        "duplicate_allocation",
+        "slot_page_alignment",
+        "swa_mapping_inconsistent",
+        "double_free",
+        "free_unallocated",
+        "reserved_page_touched",
+        "alloc_length_mismatch",
+    }
+)
+
 _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
 
 
@@ -843,20 +856,25 @@ class InstrumentedAllocator:
     def _peer_released_check(self, free_index, op):
         mapping = self._w_inner.full_to_swa_index_mapping
         peers = mapping[free_index.to(torch.int64)]
+        full = self._w_full.shadow
+        ps = self._w_ps
 
-        def check(p):
-            still = np.count_nonzero(p > 0)
-            if still:
+        def check(p, idx):
+            still = p > 0
+            if still.any():
+                pages = idx[still] // ps
+                owners = full.owner[pages[(pages >= 0) & (pages < full.owner.size)]]
+                slot = int(owners[owners >= 0][0]) if (owners >= 0).any() else -1
                 self._violate(
                     "swa_mapping_inconsistent",
-                    f"{op}: {still} of {p.size} slots still map to a live SWA peer; free_swa must come first "
-                    "(their SWA pages are stranded)",
+                    f"{op}: {int(np.count_nonzero(still))} of {p.size} slots still map to a live SWA peer; free_swa "
+                    "must come first (their SWA pages are stranded)",
+                    slot=slot,
                     op=op,
                     pool="swa",
                 )
-            return None
 
-        return (None, check, (peers,))
+        return (None, check, (peers, free_index))
 
     def _segment_args(self, op, free_index, start_pos) -> None:
         self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
@@ -910,8 +928,8 @@ class InstrumentedAllocator:
                     i += k
                 apply_all(plan_all(grouped))
 
+            result = forward()  # if the inner refuses the call, nothing is queued
             self._slot_tier(deferred, *tensors)
-            result = forward()
         if self.bus.active:
             dt = self._w_clock() - t0
             self._w_last_free_dt = dt
@@ -1216,6 +1234,9 @@ class InstrumentedAllocator:
 
     def _violate(self, invariant: str, message: str, *, slot: int = -1, op: str = "", pool: str | None = None):
         rid = self.ledger.rid_of(slot) if slot is not None and slot >= 0 else None
+        if rid is not None and invariant in _TAINTING:
+            # The request's pages and its ledger no longer agree for a reason already reported.
+            self.ledger.tainted.add(slot)
         trace = None
         if self.trace_id_for is not None and rid is not None:
             try:
