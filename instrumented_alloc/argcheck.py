@@ -65,15 +65,18 @@ def check_index_tensor(name: str, t, device: torch.device) -> torch.Tensor:
     return t
 
 
+_DECODE = object()
+
+
 def check_batch(
     device: torch.device,
     *,
     seq_lens,
     seq_lens_cpu,
     last_loc,
-    prefix_lens=None,
-    prefix_lens_cpu=None,
-    extend_num_tokens=None,
+    prefix_lens=_DECODE,
+    prefix_lens_cpu=_DECODE,
+    extend_num_tokens=_DECODE,
 ) -> int:
     """Validate one extend or decode batch; returns the batch size.
 
@@ -88,7 +91,7 @@ def check_batch(
     for name, t in (("seq_lens_cpu", seq_lens_cpu), ("last_loc", last_loc)):
         if t.shape[0] != bs:
             raise ArgumentValueError(name, f"has {t.shape[0]} entries, seq_lens has {bs}")
-    if prefix_lens is None:
+    if prefix_lens is _DECODE:
         # decode: one new position per request, at seq_len - 1.
         if bs and int(seq_lens_cpu.min()) < 1:
             raise ArgumentValueError("seq_lens_cpu", f"decode needs every seq_len >= 1, got {seq_lens_cpu.tolist()}")
@@ -100,6 +103,8 @@ def check_batch(
             raise ArgumentValueError(name, f"has {t.shape[0]} entries, seq_lens has {bs}")
     n = check_int("extend_num_tokens", extend_num_tokens)
     if bs:
+        if int(seq_lens_cpu.min()) < 0:
+            raise ArgumentValueError("seq_lens_cpu", f"negative length in {seq_lens_cpu.tolist()}")
         if int(prefix_lens_cpu.min()) < 0:
             raise ArgumentValueError("prefix_lens_cpu", f"negative length in {prefix_lens_cpu.tolist()}")
         ext = seq_lens_cpu.to(torch.int64) - prefix_lens_cpu.to(torch.int64)

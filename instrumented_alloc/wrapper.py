@@ -239,6 +239,7 @@ class InstrumentedAllocator:
         ledger._observer = self
         s(self, "ledger", ledger)
         s(self, "_w_ps", ps)
+        s(self, "_w_need_sort", need_sort)
         s(self, "_w_device", device)
         s(self, "_w_window", sliding_window)
         s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
@@ -440,6 +441,8 @@ class InstrumentedAllocator:
             t0 = self._w_clock()
             out = inner.alloc(n)
             dt = self._w_clock() - t0
+            if self._w_need_sort:
+                self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before)
             ps = self._w_ps
@@ -551,6 +554,8 @@ class InstrumentedAllocator:
             t0 = self._w_clock()
             out = call(*args, tail, **kwargs) if tail is not None else call(*args, **kwargs)
             dt = self._w_clock() - t0
+            if self._w_need_sort:
+                self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before)
             ps = self._w_ps
@@ -626,6 +631,8 @@ class InstrumentedAllocator:
             t0 = self._w_clock()
             out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             dt = self._w_clock() - t0
+            if self._w_need_sort:
+                self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, bs, before)
             ps = self._w_ps
@@ -915,7 +922,8 @@ class InstrumentedAllocator:
             plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
             if self._w_raise and self._w_to_raise:
                 self._finish()  # raises: the inner allocator never sees the bad free
-            result = forward()
+            with self._mirror_on_failure(lambda: apply_all(plans)):
+                result = forward()
             apply_all(plans)
         else:
             tensors = [t for _, _, ts in parts for t in ts]
@@ -928,13 +936,27 @@ class InstrumentedAllocator:
                     i += k
                 apply_all(plan_all(grouped))
 
-            result = forward()  # if the inner refuses the call, nothing is queued
+            with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
+                result = forward()
             self._slot_tier(deferred, *tensors)
         if self.bus.active:
             dt = self._w_clock() - t0
             self._w_last_free_dt = dt
         self._finish()
         return result
+
+    @contextlib.contextmanager
+    def _mirror_on_failure(self, mirror: Callable):
+        """If the inner raises after changing its free lists (SGLang's post-condition asserts do), mirror the
+        change before the exception propagates; if it raised before changing anything, mirror nothing."""
+        before = [p.entries() for p in self._w_pools.values()]
+        try:
+            yield
+        except BaseException:
+            if before != [p.entries() for p in self._w_pools.values()]:
+                mirror()
+                self._deliver()
+            raise
 
     def _after_free(self, op: str, touched) -> None:
         led = self.ledger
@@ -1056,11 +1078,13 @@ class InstrumentedAllocator:
         led.committed[slots] += shares
 
     def _entries_before(self):
-        return [p.entries() for p in self._w_pools.values()]
+        if self._w_need_sort:
+            return [(p.entries(), p.staged()) for p in self._w_pools.values()]
+        return [(p.entries(), 0) for p in self._w_pools.values()]
 
     def _alloc_none(self, op: str, requested: int, before) -> None:
         """The inner refused: it must not have taken any page (SGLang's SWA decode can; that is reported)."""
-        for pool, was in zip(self._w_pools.values(), before):
+        for pool, (was, _) in zip(self._w_pools.values(), before):
             now = pool.entries()
             if now != was:
                 pool.shadow.expected_entries = was
@@ -1076,13 +1100,14 @@ class InstrumentedAllocator:
                 available=int(self._w_inner.available_size()),
                 rids=bound[0] if bound else (),
             )
-        self._after_merge_check()
         self._finish()
         return None
 
-    def _after_merge_check(self) -> None:
-        for pool in self._w_pools.values():
-            if pool.shadow.n_staged and pool.staged() == 0:
+    def _after_merge_check(self, before) -> None:
+        # need_sort: an allocation that ran short merged the staged pages into the free list first. Judged
+        # from the inner's host-side staged counts, since the shadow may still be behind (deferred mode).
+        for pool, (_, staged_before) in zip(self._w_pools.values(), before):
+            if staged_before and pool.staged() == 0:
                 self._slot_tier(pool.shadow.merged)
 
     def _misaligned(self, o, pos, own, op, pool) -> None:

@@ -197,7 +197,3 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.hisparse_attn_allocator.clear()
         self.full_to_hisparse_device_index_mapping[:-1].fill_(0)
         self.free_group = None
-
-    def merge_and_sort_free(self) -> None:
-        self.logical_attn_allocator.merge_and_sort_free()
-        self.hisparse_attn_allocator.merge_and_sort_free()

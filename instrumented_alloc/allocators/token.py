@@ -54,4 +54,5 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
         """At page size 1 a page id is a slot id."""
+        check_index_tensor("page_ids", page_ids, self.device)
         self.free(page_ids)
