@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from instrumented_alloc.invariants import Violation
 
@@ -106,6 +107,31 @@ class Snapshot(Event):
     owner: bytes
     rids: tuple = ()
     ledger: tuple = ()
+
+
+@dataclass(frozen=True)
+class PageUpdate(Event):
+    """How the shadow of ``pool`` changed: ``owner[pages] = owners`` (numpy int64 page ids, int32 codes or
+    ledger slots, see ``shadow.py``). Emitted in the order the shadow changed (for deferred verification: at
+    the step boundary), so that a recording replays page states exactly."""
+
+    op: str
+    pool: str
+    pages: Any
+    owners: Any
+
+
+@dataclass(frozen=True)
+class LedgerUpdate(Event):
+    """Ledger columns the wrapper itself wrote for the requests of one call (numpy arrays aligned with
+    ``rids``/``slots``). Checked writes through ``ReqKvInfo`` are ``LedgerWrite`` events instead."""
+
+    op: str
+    rids: tuple
+    slots: Any
+    allocated: Any
+    committed: Any
+    evicted: Any
 
 
 @dataclass(frozen=True)

@@ -83,11 +83,27 @@ class PoolShadow:
         self.need_sort = need_sort
         self._ledger = ledger
         self.owner = np.empty(num_pages + 1, np.int32)
+        # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
+        # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
+        self.deltas: list | None = None
         self.clear()
+
+    def _set(self, pages: np.ndarray, codes) -> None:
+        self.owner[pages] = codes
+        if self.deltas is not None and pages.size:
+            self.deltas.append(
+                (pages.astype(np.int64, copy=True), np.broadcast_to(codes, pages.shape).astype(np.int32))
+            )
+
+    def take_deltas(self) -> list:
+        out, self.deltas = self.deltas, ([] if self.deltas is not None else None)
+        return out or []
 
     def clear(self) -> None:
         self.owner.fill(PRISTINE)
         self.owner[0] = RESERVED
+        if self.deltas is not None:
+            self.deltas.append((np.arange(self.owner.size, dtype=np.int64), self.owner.copy()))
         self.expected_entries = self.num_pages
         self.held_set: list[np.ndarray] = []
         self.held_ids: list[np.ndarray] = []
@@ -119,7 +135,7 @@ class PoolShadow:
             ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
             if not ok.all():
                 bad += self._classify_alloc(pages, prev, own, new_mask, ok, op)
-            owner[pages] = own
+            self._set(pages, own)
         self.expected_entries -= n_new
         return bad
 
@@ -260,9 +276,9 @@ class PoolShadow:
             owned[u] -= counts
         if self.in_group:
             (self.held_set if dedup else self.held_ids).append(pages)
-            self.owner[vpages] = HELD_SET if dedup else HELD_IDS
+            self._set(vpages, HELD_SET if dedup else HELD_IDS)
         else:
-            self.owner[vpages] = STAGED if self.need_sort else FREE
+            self._set(vpages, STAGED if self.need_sort else FREE)
             if self.need_sort:
                 self.n_staged += n_entries
             self.expected_entries += n_entries
@@ -285,7 +301,7 @@ class PoolShadow:
             n += pages.size
             v = pages[(pages >= 1) & (pages < self.owner.size)]
             v = v[self.owner[v] <= HELD_SET]
-            self.owner[v] = code
+            self._set(v, code)
         self.held_set, self.held_ids = [], []
         self.expected_entries += n
         if self.need_sort:
@@ -294,7 +310,7 @@ class PoolShadow:
     def merged(self) -> None:
         """The inner merged its need_sort staging into the free list."""
         if self.n_staged:
-            self.owner[self.owner == STAGED] = FREE
+            self._set(np.flatnonzero(self.owner == STAGED), FREE)
             self.n_staged = 0
 
     # -- conservation -----------------------------------------------------------------------------------------
@@ -330,7 +346,7 @@ class PoolShadow:
         if lost.size:
             explained = min(self.unexplained_loss, lost.size)
             self.unexplained_loss -= explained
-            owner[lost] = USED_UNOWNED  # the allocator no longer lists them: they are not allocatable
+            self._set(lost, USED_UNOWNED)  # the allocator no longer lists them: they are not allocatable
             if lost.size > explained:
                 bad.append(
                     (

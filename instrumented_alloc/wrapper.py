@@ -249,6 +249,8 @@ class InstrumentedAllocator:
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
+        s(self, "_w_op", "")
+        self._sync_deltas()
 
     # -- attribute forwarding ---------------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -286,10 +288,22 @@ class InstrumentedAllocator:
         return self._w_deferred
 
     def subscribe(self, sink) -> None:
-        self.bus.subscribe(sink)
+        with self._w_lock:
+            self.bus.subscribe(sink)
+            self._sync_deltas()
 
     def unsubscribe(self, sink) -> None:
-        self.bus.unsubscribe(sink)
+        with self._w_lock:
+            self.bus.unsubscribe(sink)
+            self._sync_deltas()
+
+    def _sync_deltas(self) -> None:
+        # Page deltas are collected only while someone listens.
+        for p in self._w_pools.values():
+            if self.bus.active and p.shadow.deltas is None:
+                p.shadow.deltas = []
+            elif not self.bus.active:
+                p.shadow.deltas = None
 
     @contextlib.contextmanager
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
@@ -335,6 +349,7 @@ class InstrumentedAllocator:
             if not self._w_pending:
                 self._boundary_checks("step")
             if self.bus.active:
+                self._flush_deltas()
                 self._emit(
                     ev.StepBoundary,
                     available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
@@ -479,12 +494,14 @@ class InstrumentedAllocator:
                         )
                     self._report(full.shadow.on_alloc(starts // ps, own, None, got // ps, op), "full", op)
 
-            self._host_alloc_ledger(grow, None)
+            self._host_alloc_ledger(op, grow)
             if self._w_swa is not None:
                 self._slot_tier(verify, out, self._swa_peer(out))
             else:
                 self._slot_tier(verify, out)
             self._emit_alloc(op, got, got // ps, dt)
+            if self._w_swa is not None:
+                self._emit_alloc(op, got, got, 0.0, pool="swa")
             self._finish()
             return out
 
@@ -585,6 +602,7 @@ class InstrumentedAllocator:
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
+                self._emit_ledger(op, slots)
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is None:
@@ -614,6 +632,8 @@ class InstrumentedAllocator:
             else:
                 self._slot_tier(verify, out)
             self._emit_alloc(op, got, n_new, dt)
+            if swa_grow is not None:
+                self._emit_alloc(op, int(swa_pos.size), swa_n_new, 0.0, pool="swa")
             self._finish()
             return out
 
@@ -655,6 +675,7 @@ class InstrumentedAllocator:
                 led.owned["full"][slots] += new_mask
                 led.committed[slots] = seq
                 led.allocated[slots] = (seq + (ps - 1)) // ps * ps
+                self._emit_ledger(op, slots)
             full, swa_pool = self._w_full, self._w_swa
 
             def verify(o, s=None):
@@ -676,6 +697,8 @@ class InstrumentedAllocator:
                 self._slot_tier(verify, out)
             if self.bus.active:
                 self._emit_alloc(op, got, n_new, dt)
+                if swa_pool is not None:
+                    self._emit_alloc(op, got, n_new, 0.0, pool="swa")
             self._finish()
             return out
 
@@ -989,6 +1012,7 @@ class InstrumentedAllocator:
             for s in slots[empty]:
                 led.reset(int(s))
                 led.tainted.discard(int(s))
+            self._emit_ledger(op, slots)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
@@ -1065,7 +1089,7 @@ class InstrumentedAllocator:
         own = np.repeat(slots, shares) if ps == 1 else np.repeat(slots, shares // ps)
         return own, (slots, shares)
 
-    def _host_alloc_ledger(self, grow, _unused) -> None:
+    def _host_alloc_ledger(self, op: str, grow) -> None:
         if grow is None:
             return
         slots, shares = grow
@@ -1076,6 +1100,7 @@ class InstrumentedAllocator:
             led.owned[name][slots] += pages
         led.allocated[slots] += pages * ps
         led.committed[slots] += shares
+        self._emit_ledger(op, slots)
 
     def _entries_before(self):
         if self._w_need_sort:
@@ -1291,13 +1316,14 @@ class InstrumentedAllocator:
         self._w_seq += 1
         self._w_events.append(cls(seq=self._w_seq, ts=self._w_clock(), step=self._w_step, **fields))
 
-    def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float) -> None:
+    def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         if self.bus.active:
+            self._w_op = op
             bound = self._w_bound
             self._emit(
                 ev.Alloc,
                 op=op,
-                pool="full",
+                pool=pool,
                 n_slots=n_slots,
                 n_pages=n_pages,
                 rids=bound[0] if bound else (),
@@ -1323,7 +1349,27 @@ class InstrumentedAllocator:
                 ledger=ledger_rows,
             )
 
+    def _flush_deltas(self) -> None:
+        for p in self._w_pools.values():
+            for pages, owners in p.shadow.take_deltas():
+                self._emit(ev.PageUpdate, op=self._w_op, pool=p.name, pages=pages, owners=owners)
+
+    def _emit_ledger(self, op: str, slots: np.ndarray) -> None:
+        if self.bus.active and slots.size:
+            led = self.ledger
+            self._emit(
+                ev.LedgerUpdate,
+                op=op,
+                rids=tuple(led.rid_of(int(x)) for x in slots),
+                slots=slots.copy(),
+                allocated=led.allocated[slots].copy(),
+                committed=led.committed[slots].copy(),
+                evicted=led.evicted[slots].copy(),
+            )
+
     def _deliver(self) -> None:
+        if self.bus.active:
+            self._flush_deltas()
         if self._w_events:
             batch, self._w_events = self._w_events, []
             self.bus.deliver(batch)

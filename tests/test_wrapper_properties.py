@@ -19,6 +19,7 @@ from instrumented_alloc.allocators import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from instrumented_alloc.events import PageUpdate
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, alloc_for_decode_prealloc_hisparse, swa_tail_len
 from instrumented_alloc.stats import pages_by_state
 from tests.engine_model import Req, allocator_state, decode_args, extend_args, t
@@ -47,9 +48,21 @@ class Engine:
         self.ps = self.inner.page_size
         self.window = 3 * self.ps + 1 if self.kind == "swa" else None
         self.w = InstrumentedAllocator(self.inner, mode="record", verify=verify, sliding_window=self.window)
+        # A sink that rebuilds every pool's page owners from PageUpdate events alone (what a recording replays).
+        self.replayed = {n: s.owner.copy() for n, s in self.w.snapshot().items()}
+        self.w.subscribe(self.apply_events)
         self.reqs: dict[str, Req] = {}
         self.n = 0
         self.calls = 0
+
+    def apply_events(self, batch) -> None:
+        for e in batch:
+            if isinstance(e, PageUpdate):
+                self.replayed[e.pool][e.pages] = e.owners
+
+    def check_replay(self) -> None:
+        for name, snap in self.w.snapshot().items():
+            assert (self.replayed[name] == snap.owner).all(), name
 
     def both(self, name, *args, **kwargs):
         rw = getattr(self.w, name)(*args, **kwargs)
@@ -205,6 +218,7 @@ def run(data, name: str, need_sort: bool, verify: str) -> Engine:
             e.both("merge_and_sort_free")
         else:
             e.w.step()
+            e.check_replay()
         assert list(e.w.violations) == [], [str(v) for v in e.w.violations]
     for r in list(e.reqs.values()):
         e.finish(r, plain=True)
@@ -212,6 +226,7 @@ def run(data, name: str, need_sort: bool, verify: str) -> Engine:
     e.w.step()
     assert e.w.check_consistency() == []
     assert list(e.w.violations) == [], [str(v) for v in e.w.violations]
+    e.check_replay()
     assert allocator_state(e.inner) == allocator_state(e.bare)
     for name, snap in e.w.snapshot().items():
         counts = pages_by_state(snap)
