@@ -91,6 +91,10 @@ class KvLedger:
         # Slots whose last write was rejected: their pages may legitimately disagree with the ledger until the
         # request is reset, and the root cause was already reported.
         self.tainted: set[int] = set()
+        # Slots whose ledger or pages changed other than by the wrapper's own (consistent by construction)
+        # allocation updates: what a step boundary compares against the pages.
+        self.dirty: set[int] = set()
+        self._live_cache: np.ndarray | None = None
         self._rid_to_slot: dict = {}
         self._slot_rid: list = []
         self._free_slots: list[int] = []
@@ -134,6 +138,7 @@ class KvLedger:
         self._rid_to_slot[rid] = slot
         self._slot_rid[slot] = rid
         self.live[slot] = True
+        self._live_cache = None
         return slot
 
     def slots_of(self, rids) -> np.ndarray:
@@ -146,6 +151,9 @@ class KvLedger:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
         slot = self._rid_to_slot.pop(rid)
         self.live[slot] = False
+        self._live_cache = None
+        self.dirty.discard(slot)
+        self.tainted.discard(slot)
         if leaked:
             self.leaked[slot] = True
         else:
@@ -176,7 +184,10 @@ class KvLedger:
         return ReqKvInfo(self, rid, self.slot_of(rid))
 
     def live_slots(self) -> np.ndarray:
-        return np.fromiter(self._rid_to_slot.values(), np.int64, len(self._rid_to_slot))
+        """Slots of the requests not yet released (cached between changes; do not modify the result)."""
+        if self._live_cache is None:
+            self._live_cache = np.fromiter(self._rid_to_slot.values(), np.int64, len(self._rid_to_slot))
+        return self._live_cache
 
     # -- the checked write point --------------------------------------------------------------------------------
     def check(self, slot: int, field: str, value: int) -> list[tuple[str, str]]:
@@ -249,6 +260,7 @@ class KvLedger:
         column = self._column(field)
         old = int(column[slot])
         column[slot] = value
+        self.dirty.add(slot)
         if old != value:
             self._observer.ledger_written(slot, self._slot_rid[slot], field, old, value)
         return True

@@ -124,14 +124,20 @@ class PoolShadow:
         bad: list = []
         owner = self.owner
         if pages.size:
-            if pages.min() < 1 or pages.max() >= owner.size:
+            prev = None
+            if pages.min() >= 1:
+                try:
+                    prev = owner[pages]
+                except IndexError:  # a page past the end
+                    prev = None
+            if prev is None:
                 bad += self._alloc_out_of_range(pages, op)
                 keep = (pages >= 1) & (pages < owner.size)
                 pages = pages[keep]
                 new_mask = None if new_mask is None else new_mask[keep]
                 if isinstance(own, np.ndarray):
                     own = own[keep]
-            prev = owner[pages]
+                prev = owner[pages]
             ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
             if not ok.all():
                 bad += self._classify_alloc(pages, prev, own, new_mask, ok, op)

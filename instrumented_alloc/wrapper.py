@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from instrumented_alloc import events as ev
+from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator
 from instrumented_alloc.argcheck import (
     ArgumentError,
     ArgumentValueError,
@@ -240,6 +241,9 @@ class InstrumentedAllocator:
         s(self, "ledger", ledger)
         s(self, "_w_ps", ps)
         s(self, "_w_need_sort", need_sort)
+        # Our reference allocators validate every argument before changing state: the wrapper then lets them
+        # (and records their ArgumentError as invalid_argument) instead of validating twice.
+        s(self, "_w_inner_checks", isinstance(inner, BaseTokenToKVPoolAllocator))
         s(self, "_w_device", device)
         s(self, "_w_window", sliding_window)
         s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
@@ -251,6 +255,12 @@ class InstrumentedAllocator:
         s(self, "_w_cuda", device.type == "cuda")
         s(self, "_w_op", "")
         self._sync_deltas()
+        if mode == "off":
+            # Off: the inner's own bound methods, so a call costs exactly what the bare call costs.
+            for name in INSTRUMENTED_OPS:
+                method = getattr(inner, name, None)
+                if method is not None:
+                    s(self, name, method)
 
     # -- attribute forwarding ---------------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -364,7 +374,7 @@ class InstrumentedAllocator:
             return
         with self._w_lock:
             self._drain(wait=True)
-            self._boundary_checks("flush")
+            self._boundary_checks("flush", every_request=True)
             self._finish()
 
     def check_consistency(self) -> list[Violation]:
@@ -383,7 +393,7 @@ class InstrumentedAllocator:
             self._sweep_leaks()
             if self._w_swa is not None:
                 self._sweep_mapping()
-            self._boundary_checks("sweep")
+            self._boundary_checks("sweep", every_request=True)
             new = sum(self.violation_counts.values()) - before
             recent = list(self.violations)[-new:] if new else []
             self._finish()
@@ -547,18 +557,22 @@ class InstrumentedAllocator:
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
         with self._w_lock:
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
-            bs = self._validate(
-                op,
-                check_batch,
-                self._w_device,
-                prefix_lens=prefix_lens,
-                prefix_lens_cpu=prefix_lens_cpu,
-                seq_lens=seq_lens,
-                seq_lens_cpu=seq_lens_cpu,
-                last_loc=last_loc,
-                extend_num_tokens=n,
-            )
-            if tail is not None:
+            trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor
+            if trusted:
+                bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
+            else:
+                bs = self._validate(
+                    op,
+                    check_batch,
+                    self._w_device,
+                    prefix_lens=prefix_lens,
+                    prefix_lens_cpu=prefix_lens_cpu,
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=seq_lens_cpu,
+                    last_loc=last_loc,
+                    extend_num_tokens=n,
+                )
+            if tail is not None and not trusted:
                 tail = self._validate(op, check_int, "swa_tail_len", tail)
                 if bs != 1:
                     self._invalid(
@@ -569,7 +583,10 @@ class InstrumentedAllocator:
             slots = self._bound_slots(bs, op)
             before = self._entries_before()
             t0 = self._w_clock()
-            out = call(*args, tail, **kwargs) if tail is not None else call(*args, **kwargs)
+            try:
+                out = call(*args, tail, **kwargs) if tail is not None else call(*args, **kwargs)
+            except ArgumentError as exc:
+                self._invalid(op, exc)
             dt = self._w_clock() - t0
             if self._w_need_sort:
                 self._after_merge_check(before)
@@ -643,25 +660,31 @@ class InstrumentedAllocator:
             return inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         with self._w_lock:
             op = "alloc_decode"
-            bs = self._validate(
-                op, check_batch, self._w_device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
-            )
+            if self._w_inner_checks and type(seq_lens) is torch.Tensor:
+                bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
+            else:
+                bs = self._validate(
+                    op, check_batch, self._w_device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
+                )
             slots = self._bound_slots(bs, op)
             before = self._entries_before()
-            t0 = self._w_clock()
-            out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-            dt = self._w_clock() - t0
-            if self._w_need_sort:
+            timed = self.bus.active
+            t0 = self._w_clock() if timed else 0.0
+            try:
+                out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            except ArgumentError as exc:
+                self._invalid(op, exc)
+            dt = self._w_clock() - t0 if timed else 0.0
+            if before is not None:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, bs, before)
             ps = self._w_ps
             seq = seq_lens_cpu.numpy()
-            pos = seq - 1
             # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
             new_mask = seq % ps == 1
             n_new = int(np.count_nonzero(new_mask))
-            got = int(out.shape[0])
+            got = out.shape[0]
             if got != bs:
                 self._violate(
                     "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
@@ -669,14 +692,20 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
-            own = -1 if slots is None else slots
+            own = -1
             if slots is not None:
+                own = slots
                 led = self.ledger
-                led.owned["full"][slots] += new_mask
                 led.committed[slots] = seq
-                led.allocated[slots] = (seq + (ps - 1)) // ps * ps
-                self._emit_ledger(op, slots)
+                if n_new:
+                    openers = slots[new_mask]
+                    for arr in led.owned.values():
+                        arr[openers] += 1
+                    led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
+                if timed:
+                    self._emit_ledger(op, slots)
             full, swa_pool = self._w_full, self._w_swa
+            pos = seq - 1
 
             def verify(o, s=None):
                 if ((o - pos) % ps).any():
@@ -687,19 +716,20 @@ class InstrumentedAllocator:
                 if s is not None:
                     if ((s - pos) % ps).any():
                         self._misaligned(s, pos, own, op, "swa")
-                    self._report(swa_pool.shadow.on_alloc(s // ps, own, new_mask, n_new, op), "swa", op)
+                    bad = swa_pool.shadow.on_alloc(s // ps, own, new_mask, n_new, op)
+                    if bad:
+                        self._report(bad, "swa", op)
 
             if swa_pool is not None:
-                if slots is not None:
-                    self.ledger.owned["swa"][slots] += new_mask
                 self._slot_tier(verify, out, self._swa_peer(out))
             else:
                 self._slot_tier(verify, out)
-            if self.bus.active:
+            if timed:
                 self._emit_alloc(op, got, n_new, dt)
                 if swa_pool is not None:
                     self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-            self._finish()
+            if self._w_events or self._w_to_raise:
+                self._finish()
             return out
 
     # -- free ops ---------------------------------------------------------------------------------------------
@@ -1012,6 +1042,7 @@ class InstrumentedAllocator:
             for s in slots[empty]:
                 led.reset(int(s))
                 led.tainted.discard(int(s))
+            led.dirty.update(int(s) for s in slots)
             self._emit_ledger(op, slots)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
@@ -1019,7 +1050,10 @@ class InstrumentedAllocator:
         """Run ``fn`` on host views of ``tensors``: now (CPU, immediate) or, in call order, once their
         non-blocking copies have landed (deferred)."""
         if not self._w_deferred:
-            fn(*(t.numpy() for t in tensors))
+            if len(tensors) == 1:
+                fn(tensors[0].numpy())
+            else:
+                fn(*(t.numpy() for t in tensors))
             return
         event = None
         if self._w_cuda and tensors:
@@ -1103,13 +1137,17 @@ class InstrumentedAllocator:
         self._emit_ledger(op, slots)
 
     def _entries_before(self):
+        # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
+        # need_sort merges inside an allocation: otherwise nothing to capture.
         if self._w_need_sort:
             return [(p.entries(), p.staged()) for p in self._w_pools.values()]
-        return [(p.entries(), 0) for p in self._w_pools.values()]
+        if len(self._w_pools) > 1:
+            return [(p.entries(), 0) for p in self._w_pools.values()]
+        return None
 
     def _alloc_none(self, op: str, requested: int, before) -> None:
         """The inner refused: it must not have taken any page (SGLang's SWA decode can; that is reported)."""
-        for pool, (was, _) in zip(self._w_pools.values(), before):
+        for pool, (was, _) in zip(self._w_pools.values(), before or ()):
             now = pool.entries()
             if now != was:
                 pool.shadow.expected_entries = was
@@ -1189,14 +1227,24 @@ class InstrumentedAllocator:
         led.release(rid, leaked=total > 0)
         led.tainted.discard(slot)
 
-    def _boundary_checks(self, op: str) -> None:
+    def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
         for pool in self._w_pools.values():
             self._report(pool.shadow.check_count(pool.entries(), op), pool.name, op)
-        self._check_ledger_pages(op)
+        self._check_ledger_pages(op, every_request)
 
-    def _check_ledger_pages(self, op: str) -> None:
+    def _check_ledger_pages(self, op: str, every_request: bool) -> None:
+        """Pages each request owns against its ledger. A step boundary compares the requests whose ledger or
+        pages changed other than by the wrapper's own allocation updates (those keep both in step by
+        construction, and the slot tier verifies the pages they name); flush and sweeps compare every one."""
         led = self.ledger
-        slots = led.live_slots()
+        if every_request:
+            slots = led.live_slots()
+        else:
+            if not led.dirty:
+                return
+            slots = np.fromiter(led.dirty, np.int64, len(led.dirty))
+            slots = slots[led.live[slots]]
+        led.dirty.clear()
         if not slots.size:
             return
         ps = self._w_ps

@@ -1,0 +1,3 @@
+from benchmarks.bench_wrapper import main
+
+main()
