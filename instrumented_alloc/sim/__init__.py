@@ -1,0 +1,1 @@
+"""The demo engine: scenarios that drive an instrumented reference allocator."""
