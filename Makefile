@@ -12,10 +12,9 @@ PYTEST_ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS) requirements/sglang-compat.txt
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test]'
-	$(PIP) install --quiet -c $(CONSTRAINTS) -r requirements/sglang-compat.txt
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test,sglang-compat]'
 	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) sglang==0.5.23
 	touch $(STAMP)
 

@@ -241,6 +241,7 @@ class InstrumentedAllocator:
         s(self, "ledger", ledger)
         s(self, "_w_ps", ps)
         s(self, "_w_need_sort", need_sort)
+        s(self, "_w_shift", ps.bit_length() - 1 if ps & (ps - 1) == 0 else None)
         # Our reference allocators validate every argument before changing state: the wrapper then lets them
         # (and records their ArgumentError as invalid_argument) instead of validating twice.
         s(self, "_w_inner_checks", isinstance(inner, BaseTokenToKVPoolAllocator))
@@ -682,7 +683,8 @@ class InstrumentedAllocator:
             ps = self._w_ps
             seq = seq_lens_cpu.numpy()
             # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
-            new_mask = seq % ps == 1
+            shift = self._w_shift
+            new_mask = (seq & (ps - 1) if shift is not None else seq % ps) == 1
             n_new = int(np.count_nonzero(new_mask))
             got = out.shape[0]
             if got != bs:
@@ -708,9 +710,16 @@ class InstrumentedAllocator:
             pos = seq - 1
 
             def verify(o, s=None):
-                if ((o - pos) % ps).any():
+                # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
+                if shift is not None:
+                    misaligned = ((o - pos) & (ps - 1)).any()
+                    pages = o >> shift
+                else:
+                    misaligned = ((o - pos) % ps).any()
+                    pages = o // ps
+                if misaligned:
                     self._misaligned(o, pos, own, op, "full")
-                bad = full.shadow.on_alloc(o // ps, own, new_mask, n_new, op)
+                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
                 if bad:
                     self._report(bad, "full", op)
                 if s is not None:

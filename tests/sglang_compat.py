@@ -19,7 +19,7 @@ for bf16 models) unless told otherwise.
 SGLang is imported lazily, inside the functions, so importing this module never
 fails even when SGLang (or one of its dependencies) is missing.  Install with::
 
-    pip install -r requirements/sglang-compat.txt
+    pip install -c requirements/constraints.txt -e '.[test,sglang-compat]'
     pip install --no-deps sglang==0.5.23
 
 (``--no-deps`` because SGLang's declared dependencies pin a CUDA torch and a
