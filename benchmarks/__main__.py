@@ -1,3 +1,7 @@
-from benchmarks.bench_wrapper import main
+"""``python -m benchmarks``: every benchmark of the suite, one table each."""
 
-main()
+from benchmarks import bench_exporters, bench_wrapper
+
+bench_wrapper.main([])
+print()
+bench_exporters.main([])

@@ -10,7 +10,9 @@ Contract:
   ("refused") or raising drops that batch for that sink: the bus counts the dropped events per sink name in
   ``dropped`` and never lets the exception reach the allocator's caller.
 - No sink: the wrapper builds no events at all (``EventBus.active`` is False), so instrumentation with no
-  subscriber costs nothing beyond the checks themselves.
+  subscriber costs nothing beyond the checks themselves. A sink may declare ``event_types`` (a set of event
+  classes it reads); the wrapper then skips building the costly kinds nobody asked for (``PageUpdate``,
+  ``LedgerUpdate``, ``Snapshot``). Sinks still receive every event that was built and ignore the rest.
 - Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
 """
 
@@ -51,6 +53,7 @@ class AllocFailed(Event):
     requested: int
     available: int
     rids: tuple = ()
+    duration: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,17 +159,33 @@ class EventBus:
         self.dropped: dict[str, int] = {}
         self.errors: dict[str, str] = {}
         self.active = False
+        self._wanted: frozenset | None = frozenset()
         for s in sinks:
             self.subscribe(s)
 
     def subscribe(self, sink: Sink) -> None:
         self._sinks.append(sink)
         self.dropped.setdefault(sink_name(sink), 0)
-        self.active = True
+        self._update()
 
     def unsubscribe(self, sink: Sink) -> None:
         self._sinks.remove(sink)
+        self._update()
+
+    def _update(self) -> None:
         self.active = bool(self._sinks)
+        wanted: set | None = set()
+        for s in self._sinks:
+            types = getattr(s, "event_types", None)
+            if types is None:
+                wanted = None
+                break
+            wanted.update(types)
+        self._wanted = None if wanted is None else frozenset(wanted)
+
+    def wants(self, cls: type) -> bool:
+        """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""
+        return self.active and (self._wanted is None or cls in self._wanted)
 
     @property
     def sinks(self) -> tuple:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from instrumented_alloc.argcheck import ArgumentTypeError
-from instrumented_alloc.invariants import InvariantViolation, Violation
+from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 
 FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
 
@@ -74,7 +74,7 @@ class _RaisingObserver:
         if exc is not None:
             return  # the caller raises the argument error itself
         inv, msg = violations[0]
-        raise InvariantViolation(Violation(inv, msg, rid=rid, op="ledger"))
+        raise InvariantViolation(Violation(inv, msg, rid=rid, op="ledger", severity=SEVERITY.get(inv, "error")))
 
     def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
         pass
@@ -105,6 +105,7 @@ class KvLedger:
         self.live = np.zeros(0, bool)  # slot names a request that has not been released
         self.leaked = np.zeros(0, bool)  # released while still owning pages (reported once)
         self.peak_pages = np.zeros(0, np.int64)
+        self.generation = np.zeros(0, np.int64)  # bumped when a slot is released: a reused slot is a new request
         self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
         self._grow(capacity)
 
@@ -117,6 +118,7 @@ class KvLedger:
 
         self.allocated, self.committed, self.evicted = ext(self.allocated), ext(self.committed), ext(self.evicted)
         self.live, self.leaked, self.peak_pages = ext(self.live), ext(self.leaked), ext(self.peak_pages)
+        self.generation = ext(self.generation)
         self.owned = {p: ext(a) for p, a in self.owned.items()}
         self._free_slots.extend(range(cap - 1, self._cap - 1, -1))
         self._slot_rid.extend([None] * (cap - self._cap))
@@ -151,6 +153,7 @@ class KvLedger:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
         slot = self._rid_to_slot.pop(rid)
         self.live[slot] = False
+        self.generation[slot] += 1
         self._live_cache = None
         self.dirty.discard(slot)
         self.tainted.discard(slot)

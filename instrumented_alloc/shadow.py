@@ -83,6 +83,9 @@ class PoolShadow:
         self.need_sort = need_sort
         self._ledger = ledger
         self.owner = np.empty(num_pages + 1, np.int32)
+        # The slot that last owned each page: names the request behind a double free of a page already free.
+        self.last_owner = np.empty(num_pages + 1, np.int32)
+        self.last_generation = np.zeros(num_pages + 1, np.int64)
         # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
         # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
         self.deltas: list | None = None
@@ -102,6 +105,7 @@ class PoolShadow:
     def clear(self) -> None:
         self.owner.fill(PRISTINE)
         self.owner[0] = RESERVED
+        self.last_owner.fill(-1)
         if self.deltas is not None:
             self.deltas.append((np.arange(self.owner.size, dtype=np.int64), self.owner.copy()))
         self.expected_entries = self.num_pages
@@ -250,12 +254,17 @@ class PoolShadow:
         reserved = bprev == RESERVED
         double = ~unalloc & ~reserved
         if double.any():
+            page = int(bp[double][0])
+            last = int(self.last_owner[page])
+            if last >= 0 and self._ledger.generation[last] != self.last_generation[page]:
+                last = -1  # that request was released since; its slot now names another one
             bad.append(
                 (
                     "double_free",
                     f"{op} frees {_pages_list(np.unique(bp[double]))} that are not in use "
-                    f"(page {int(bp[double][0])} is {_describe(int(bprev[double][0]))})",
-                    -1,
+                    f"(page {page} is {_describe(int(bprev[double][0]))}"
+                    + (f", last owned by request slot {last})" if last >= 0 else ")"),
+                    last,
                 )
             )
         if unalloc.any():
@@ -273,12 +282,17 @@ class PoolShadow:
     def apply_free(self, plan) -> np.ndarray:
         """Mirror the inner's free. Returns the owner slots (>= 0) of the pages that were in use."""
         pages, vpages, prev, n_entries, dedup = plan
-        owners = prev[prev >= 0]
+        owned_mask = prev >= 0
+        owners = prev[owned_mask]
         if owners.size:
+            self.last_owner[vpages[owned_mask]] = owners
+            self.last_generation[vpages[owned_mask]] = self._ledger.generation[owners]
             owned = self.owned
             ledger = self._ledger
             u, counts = np.unique(owners, return_counts=True)
-            np.maximum.at(ledger.peak_pages, u, owned[u])
+            if self.name == "full":
+                # A request's peak footprint is counted in full-pool pages (the swa pool only shrinks it).
+                np.maximum.at(ledger.peak_pages, u, owned[u])
             owned[u] -= counts
         if self.in_group:
             (self.held_set if dedup else self.held_ids).append(pages)

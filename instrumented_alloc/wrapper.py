@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from instrumented_alloc import events as ev
-from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator
+from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, page_disjoint
 from instrumented_alloc.argcheck import (
     ArgumentError,
     ArgumentValueError,
@@ -64,10 +64,13 @@ INSTRUMENTED_OPS = (
     "free_full_segment",
     "free_swa",
     "free_swa_segment",
+    "free_segments",
+    "free_full_segments",
     "free_group_begin",
     "free_group_end",
     "merge_and_sort_free",
     "clear",
+    "resize",
 )
 
 # Page-level faults after which a request's ledger-vs-pages comparison says nothing new.
@@ -216,7 +219,7 @@ class InstrumentedAllocator:
         s(self, "_w_events", [])
         s(self, "_w_to_raise", [])
         s(self, "_w_pending", deque())
-        s(self, "_w_bound", None)
+        s(self, "_w_tls", threading.local())  # batch() binding is per thread
         s(self, "_w_snapshot_every", int(snapshot_every))
         s(self, "_w_mismatch_reported", {})
         s(self, "bus", ev.EventBus(sinks))
@@ -262,6 +265,14 @@ class InstrumentedAllocator:
                 method = getattr(inner, name, None)
                 if method is not None:
                     s(self, name, method)
+
+    @property
+    def _w_bound(self):
+        return getattr(self._w_tls, "bound", None)
+
+    @_w_bound.setter
+    def _w_bound(self, value) -> None:
+        self._w_tls.bound = value
 
     # -- attribute forwarding ---------------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -309,12 +320,14 @@ class InstrumentedAllocator:
             self._sync_deltas()
 
     def _sync_deltas(self) -> None:
-        # Page deltas are collected only while someone listens.
+        # Page deltas and ledger updates are built only while some sink reads them.
+        want = self.bus.wants(ev.PageUpdate)
         for p in self._w_pools.values():
-            if self.bus.active and p.shadow.deltas is None:
+            if want and p.shadow.deltas is None:
                 p.shadow.deltas = []
-            elif not self.bus.active:
+            elif not want:
                 p.shadow.deltas = None
+        object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
 
     @contextlib.contextmanager
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
@@ -322,8 +335,12 @@ class InstrumentedAllocator:
 
         ``lens`` (optional) gives each request's share of a plain ``alloc(n)`` (page size 1 extends, where the
         call itself carries no per-request lengths); decode (``n == len(rids)``) and single-request allocs need
-        none. Binding does not nest.
+        none. Binding does not nest, and it belongs to the calling thread: calls from another thread are not
+        attributed to it.
         """
+        if self._w_off:
+            yield self  # nothing is attributed (or remembered) when off
+            return
         rids = tuple(rids)
         if len(set(rids)) != len(rids):
             raise ArgumentValueError("rids", "a request id appears twice in one batch")
@@ -346,6 +363,7 @@ class InstrumentedAllocator:
         with self._w_lock:
             if rid not in self.ledger:
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"))
+            self._w_op = "release"
             self._slot_tier(lambda: self._do_release(rid))
             self._finish()
 
@@ -356,6 +374,7 @@ class InstrumentedAllocator:
             return
         with self._w_lock:
             self._w_step += 1
+            self._w_op = "step"
             self._drain(wait=False)
             if not self._w_pending:
                 self._boundary_checks("step")
@@ -365,7 +384,11 @@ class InstrumentedAllocator:
                     ev.StepBoundary,
                     available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
                 )
-                if self._w_snapshot_every and self._w_step % self._w_snapshot_every == 0:
+                if (
+                    self._w_snapshot_every
+                    and self._w_step % self._w_snapshot_every == 0
+                    and self.bus.wants(ev.Snapshot)
+                ):
                     self._emit_snapshots()
             self._finish()
 
@@ -374,6 +397,7 @@ class InstrumentedAllocator:
         if self._w_off:
             return
         with self._w_lock:
+            self._w_op = "flush"
             self._drain(wait=True)
             self._boundary_checks("flush", every_request=True)
             self._finish()
@@ -385,6 +409,7 @@ class InstrumentedAllocator:
             return []
         with self._w_lock:
             before = sum(self.violation_counts.values())
+            self._w_op = "sweep"
             self._drain(wait=True)
             found = []
             for pool in self._w_pools.values():
@@ -400,10 +425,13 @@ class InstrumentedAllocator:
             self._finish()
             return recent
 
-    def snapshot(self) -> dict[str, PoolSnapshot]:
-        """A copy of every pool's page states and owners, with the live requests' ledger columns. Host only."""
+    def snapshot(self, *, wait: bool = True) -> dict[str, PoolSnapshot]:
+        """A copy of every pool's page states and owners, with the live requests' ledger columns. Host only.
+
+        With deferred verification, ``wait=True`` first completes the outstanding checks (may wait for device
+        copies); ``wait=False`` (what exporters on other threads use) returns the state as of verified calls."""
         with self._w_lock:
-            if self._w_deferred and not self._w_off:
+            if wait and self._w_deferred and not self._w_off:
                 self._drain(wait=True)
             led = self.ledger
             slots = led.live_slots()
@@ -462,7 +490,13 @@ class InstrumentedAllocator:
             return inner.alloc(need_size)
         with self._w_lock:
             op = "alloc"
+            self._w_op = op
             n = self._validate(op, check_int, "need_size", need_size)
+            bound = self._w_bound
+            if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
+                self._invalid(
+                    op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
+                )
             before = self._entries_before()
             t0 = self._w_clock()
             out = inner.alloc(n)
@@ -470,7 +504,7 @@ class InstrumentedAllocator:
             if self._w_need_sort:
                 self._after_merge_check(before)
             if out is None:
-                return self._alloc_none(op, n, before)
+                return self._alloc_none(op, n, before, dt)
             ps = self._w_ps
             expect = n if ps == 1 else n // ps * ps
             got = int(out.shape[0])
@@ -557,6 +591,7 @@ class InstrumentedAllocator:
 
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
         with self._w_lock:
+            self._w_op = op
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
             trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor
             if trusted:
@@ -592,7 +627,7 @@ class InstrumentedAllocator:
             if self._w_need_sort:
                 self._after_merge_check(before)
             if out is None:
-                return self._alloc_none(op, n, before)
+                return self._alloc_none(op, n, before, dt)
             ps = self._w_ps
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
@@ -620,7 +655,7 @@ class InstrumentedAllocator:
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
-                self._emit_ledger(op, slots)
+                self._emit_ledger(op, slots, self._w_bound[0])
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is None:
@@ -661,6 +696,7 @@ class InstrumentedAllocator:
             return inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         with self._w_lock:
             op = "alloc_decode"
+            self._w_op = op
             if self._w_inner_checks and type(seq_lens) is torch.Tensor:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
@@ -679,7 +715,7 @@ class InstrumentedAllocator:
             if before is not None:
                 self._after_merge_check(before)
             if out is None:
-                return self._alloc_none(op, bs, before)
+                return self._alloc_none(op, bs, before, dt)
             ps = self._w_ps
             seq = seq_lens_cpu.numpy()
             # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
@@ -705,7 +741,7 @@ class InstrumentedAllocator:
                         arr[openers] += 1
                     led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
                 if timed:
-                    self._emit_ledger(op, slots)
+                    self._emit_ledger(op, slots, self._w_bound[0])
             full, swa_pool = self._w_full, self._w_swa
             pos = seq - 1
 
@@ -748,6 +784,7 @@ class InstrumentedAllocator:
             return inner.free(free_index)
         with self._w_lock:
             op = "free"
+            self._w_op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0:
                 return inner.free(free_index)
@@ -762,6 +799,7 @@ class InstrumentedAllocator:
             return inner.free_full(free_index)
         with self._w_lock:
             op = "free_full"
+            self._w_op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0:
                 return inner.free_full(free_index)
@@ -776,6 +814,7 @@ class InstrumentedAllocator:
             return inner.free_page_ids(page_ids)
         with self._w_lock:
             op = "free_page_ids"
+            self._w_op = op
             self._validate(op, check_index_tensor, "page_ids", page_ids, self._w_device)
             if page_ids.numel() == 0:
                 return inner.free_page_ids(page_ids)
@@ -788,6 +827,7 @@ class InstrumentedAllocator:
             return inner.free_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_segment"
+            self._w_op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0:
                 return inner.free_segment(free_index, start_pos=start_pos)
@@ -802,6 +842,7 @@ class InstrumentedAllocator:
             return inner.free_full_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_full_segment"
+            self._w_op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0:
                 return inner.free_full_segment(free_index, start_pos=start_pos)
@@ -818,6 +859,7 @@ class InstrumentedAllocator:
             return inner.free_swa(free_index)
         with self._w_lock:
             op = "free_swa"
+            self._w_op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0 or self._w_swa is None:
                 return inner.free_swa(free_index)
@@ -829,17 +871,53 @@ class InstrumentedAllocator:
             return inner.free_swa_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_swa_segment"
+            self._w_op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0 or self._w_swa is None:
                 return inner.free_swa_segment(free_index, start_pos=start_pos)
             part = self._swa_segment_part(free_index, op)
             return self._free(op, lambda: inner.free_swa_segment(free_index, start_pos=start_pos), [part])
 
+    def free_segments(self, segments):
+        """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's
+        own loop would call its own ``free_segment`` and bypass the checks)."""
+        if self._w_off:
+            return self._w_inner.free_segments(segments)
+        for free_index, start_pos in page_disjoint(segments, self._w_ps):
+            self.free_segment(free_index, start_pos=start_pos)
+
+    def free_full_segments(self, segments):
+        if self._w_off:
+            return self._w_inner.free_full_segments(segments)
+        for free_index, start_pos in page_disjoint(segments, self._w_ps):
+            self.free_full_segment(free_index, start_pos=start_pos)
+
+    def resize(self, config):
+        """Forwarded, then every pool's shadow is rebuilt for the new size (the inner clears itself)."""
+        inner = self._w_inner
+        if self._w_off:
+            return inner.resize(config)
+        with self._w_lock:
+            self._w_op = "resize"
+            self._drain(wait=True)
+            result = inner.resize(config)
+            led = self.ledger
+            need_sort = self._w_need_sort
+            pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_pools.items()}
+            object.__setattr__(self, "_w_pools", pools)
+            object.__setattr__(self, "_w_full", pools["full"])
+            object.__setattr__(self, "_w_swa", pools.get("swa"))
+            self._sync_deltas()
+            self._cleared()
+            self._finish()
+            return result
+
     def free_group_begin(self):
         inner = self._w_inner
         if self._w_off:
             return inner.free_group_begin()
         with self._w_lock:
+            self._w_op = "free_group_begin"
             result = inner.free_group_begin()
             self._slot_tier(self._group_begin)
             return result
@@ -849,6 +927,7 @@ class InstrumentedAllocator:
         if self._w_off:
             return inner.free_group_end()
         with self._w_lock:
+            self._w_op = "free_group_end"
             result = inner.free_group_end()
             self._slot_tier(self._group_end)
             self._finish()
@@ -859,6 +938,7 @@ class InstrumentedAllocator:
         if self._w_off:
             return inner.merge_and_sort_free()
         with self._w_lock:
+            self._w_op = "merge_and_sort_free"
             result = inner.merge_and_sort_free()
             self._slot_tier(self._merged)
             return result
@@ -868,6 +948,7 @@ class InstrumentedAllocator:
         if self._w_off:
             return inner.clear()
         with self._w_lock:
+            self._w_op = "clear"
             result = inner.clear()
             self._slot_tier(self._cleared)
             self._finish()
@@ -959,7 +1040,8 @@ class InstrumentedAllocator:
 
     def _free(self, op: str, forward: Callable, parts: list):
         """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""
-        t0 = self._w_clock()
+        self._w_op = op
+        timing = [0.0]  # wall time of the inner call alone, for the Free events
 
         def plan_all(arrays_per_part):
             plans = []
@@ -978,14 +1060,21 @@ class InstrumentedAllocator:
             for pool, plan in plans:
                 owners = pool.shadow.apply_free(plan)
                 touched.append((pool, owners, plan[3]))
-            self._after_free(op, touched)
+            self._after_free(op, touched, timing[0])
+
+        def timed_forward():
+            t0 = self._w_clock()
+            try:
+                return forward()
+            finally:
+                timing[0] = self._w_clock() - t0
 
         if not self._w_deferred:
             plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
             if self._w_raise and self._w_to_raise:
                 self._finish()  # raises: the inner allocator never sees the bad free
             with self._mirror_on_failure(lambda: apply_all(plans)):
-                result = forward()
+                result = timed_forward()
             apply_all(plans)
         else:
             tensors = [t for _, _, ts in parts for t in ts]
@@ -999,11 +1088,8 @@ class InstrumentedAllocator:
                 apply_all(plan_all(grouped))
 
             with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
-                result = forward()
+                result = timed_forward()
             self._slot_tier(deferred, *tensors)
-        if self.bus.active:
-            dt = self._w_clock() - t0
-            self._w_last_free_dt = dt
         self._finish()
         return result
 
@@ -1020,7 +1106,7 @@ class InstrumentedAllocator:
                 self._deliver()
             raise
 
-    def _after_free(self, op: str, touched) -> None:
+    def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
         led = self.ledger
         ps = self._w_ps
         slots_all = []
@@ -1041,7 +1127,7 @@ class InstrumentedAllocator:
                     pool=pool.name,
                     n_pages=int(n_entries),
                     rids=rids,
-                    duration=getattr(self, "_w_last_free_dt", 0.0),
+                    duration=duration,
                 )
         if slots_all:
             slots = np.unique(np.concatenate(slots_all))
@@ -1076,18 +1162,23 @@ class InstrumentedAllocator:
         else:
             # The caller may reuse its tensor (a view of req_to_token) before the boundary: keep a copy.
             copies = [t.detach().to("cpu", copy=True) for t in tensors]
-        self._w_pending.append((fn, copies, event))
+        self._w_pending.append((fn, copies, event, self._w_op))
 
     def _drain(self, *, wait: bool) -> None:
         pending = self._w_pending
+        current = self._w_op
         while pending:
-            fn, copies, event = pending[0]
+            fn, copies, event, op = pending[0]
             if event is not None and not event.query():
                 if not wait:
-                    return
+                    break
                 event.synchronize()
             pending.popleft()
+            self._w_op = op  # the page updates this verification makes belong to the call that queued it
             fn(*(c.numpy() for c in copies))
+            if self.bus.active:
+                self._flush_deltas()
+        self._w_op = current
 
     def _swa_peer(self, full_slots):
         return self._w_inner.full_to_swa_index_mapping[full_slots.to(torch.int64)]
@@ -1143,7 +1234,7 @@ class InstrumentedAllocator:
             led.owned[name][slots] += pages
         led.allocated[slots] += pages * ps
         led.committed[slots] += shares
-        self._emit_ledger(op, slots)
+        self._emit_ledger(op, slots, self._w_bound[0])
 
     def _entries_before(self):
         # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
@@ -1154,7 +1245,7 @@ class InstrumentedAllocator:
             return [(p.entries(), 0) for p in self._w_pools.values()]
         return None
 
-    def _alloc_none(self, op: str, requested: int, before) -> None:
+    def _alloc_none(self, op: str, requested: int, before, duration: float = 0.0) -> None:
         """The inner refused: it must not have taken any page (SGLang's SWA decode can; that is reported)."""
         for pool, (was, _) in zip(self._w_pools.values(), before or ()):
             now = pool.entries()
@@ -1164,13 +1255,16 @@ class InstrumentedAllocator:
                 self._report(bad, pool.name, op)
         if self.bus.active:
             bound = self._w_bound
+            # Name the pool that ran short: the one with fewer free slots.
+            short = min(self._w_pools.values(), key=lambda p: p.allocator.available_size())
             self._emit(
                 ev.AllocFailed,
                 op=op,
-                pool="full",
+                pool=short.name,
                 requested=int(requested),
-                available=int(self._w_inner.available_size()),
+                available=int(short.allocator.available_size()),
                 rids=bound[0] if bound else (),
+                duration=duration,
             )
         self._finish()
         return None
@@ -1375,7 +1469,6 @@ class InstrumentedAllocator:
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         if self.bus.active:
-            self._w_op = op
             bound = self._w_bound
             self._emit(
                 ev.Alloc,
@@ -1411,13 +1504,13 @@ class InstrumentedAllocator:
             for pages, owners in p.shadow.take_deltas():
                 self._emit(ev.PageUpdate, op=self._w_op, pool=p.name, pages=pages, owners=owners)
 
-    def _emit_ledger(self, op: str, slots: np.ndarray) -> None:
-        if self.bus.active and slots.size:
+    def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None) -> None:
+        if self._w_want_ledger and slots.size:
             led = self.ledger
             self._emit(
                 ev.LedgerUpdate,
                 op=op,
-                rids=tuple(led.rid_of(int(x)) for x in slots),
+                rids=rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
                 slots=slots.copy(),
                 allocated=led.allocated[slots].copy(),
                 committed=led.committed[slots].copy(),

@@ -95,6 +95,17 @@ class BaseTokenToKVPoolAllocator:
         self._check_segment(free_index, start_pos)
         self.free_full(free_index)
 
+    def free_segments(self, segments) -> None:
+        """Free several ``(free_index, start_pos)`` segments of one request's row, in order. Consecutive
+        segments must not share a page (each page is released once); empty segments are skipped."""
+        for free_index, start_pos in page_disjoint(segments, self.page_size):
+            self.free_segment(free_index, start_pos=start_pos)
+
+    def free_full_segments(self, segments) -> None:
+        """``free_segments`` for the full side alone (see ``free_full``)."""
+        for free_index, start_pos in page_disjoint(segments, self.page_size):
+            self.free_full_segment(free_index, start_pos=start_pos)
+
     def _check_segment(self, free_index, start_pos) -> None:
         check_index_tensor("free_index", free_index, self.device)
         start_pos = check_start_pos(start_pos)
@@ -107,3 +118,19 @@ class BaseTokenToKVPoolAllocator:
     def _hold(free_index: torch.Tensor) -> torch.Tensor:
         # The caller may overwrite its tensor (a view of req_to_token) before the group ends.
         return free_index.clone()
+
+
+def page_disjoint(segments, page_size: int):
+    """Yield the non-empty segments, checking that each starts on a page after the previous one's last page.
+
+    An overlap raises AssertionError (SGLang 0.5.23 asserts the same, lazily: earlier segments are already
+    freed when a later one fails)."""
+    prev_end = None
+    for free_index, start_pos in segments:
+        n = free_index.numel()
+        if n == 0:
+            continue
+        if prev_end is not None and start_pos // page_size <= (prev_end - 1) // page_size:
+            raise AssertionError(f"segment at {start_pos} shares a page with the one ending at {prev_end}")
+        prev_end = start_pos + n
+        yield free_index, start_pos

@@ -1,0 +1,149 @@
+"""The exporters' cost, each measured as a ratio in one process: the same engine-like loop of wrapped
+extend / decode / free calls (with a ``step()`` per iteration) with one exporter attached vs none, interleaved,
+median of the repeats; and one Prometheus scrape of a 1M-page pool vs one ``torch.sort`` of its free list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_wrapper import table
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+
+I64 = torch.int64
+PS = 16
+
+
+def engine_loop(alloc, *, iterations: int, bs: int = 32, prompt: int = 40, decode: int = 24) -> float:
+    """Seconds for ``iterations`` rounds of: extend bs requests, decode them ``decode`` steps, free them."""
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(iterations):
+        rids = [f"r{n + i}" for i in range(bs)]
+        n += bs
+        zero = torch.zeros(bs, dtype=I64)
+        seq = torch.full((bs,), prompt, dtype=I64)
+        with alloc.batch(rids):
+            out = alloc.alloc_extend(zero, zero, seq, seq.clone(), torch.full((bs,), -1, dtype=I64), bs * prompt)
+            rows = [out.view(bs, prompt)]
+            last = rows[0][:, -1]
+            for d in range(decode):
+                s = seq + d + 1
+                last = alloc.alloc_decode(s, s, last)
+                rows.append(last[:, None])
+                alloc.step()
+        kv = torch.cat(rows, dim=1)
+        for i, rid in enumerate(rids):
+            alloc.free(kv[i])
+            alloc.release_request(rid)
+        alloc.step()
+    return time.perf_counter() - t0
+
+
+def _wrapped(pages: int = 4096):
+    return InstrumentedAllocator(PagedTokenToKVPoolAllocator(pages * PS, PS, torch.float16, "cpu"), mode="record")
+
+
+def _attach(kind: str, alloc, tmp: Path):
+    if kind == "prometheus":
+        from prometheus_client import CollectorRegistry
+
+        from exporters.prometheus import PrometheusExporter
+
+        return PrometheusExporter(alloc, registry=CollectorRegistry())
+    if kind == "otel":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from exporters.otel import OtelExporter
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+        return OtelExporter(alloc, tracer_provider=provider)
+    if kind == "recorder":
+        from exporters.recorder import FlightRecorder
+
+        return FlightRecorder(alloc, tmp / f"rec-{time.monotonic_ns()}.sqlite")
+    raise ValueError(kind)
+
+
+def _close(exporter) -> None:
+    for name in ("close", "shutdown"):
+        fn = getattr(exporter, name, None)
+        if fn is not None:
+            fn()
+            return
+
+
+def measure_exporter(kind: str, *, iterations: int, repeats: int) -> list[float]:
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            base = _wrapped()
+            t_off = engine_loop(base, iterations=iterations)
+            alloc = _wrapped()
+            exporter = _attach(kind, alloc, Path(tmp))
+            t_on = engine_loop(alloc, iterations=iterations)
+            _close(exporter)
+            ratios.append(t_on / t_off)
+    return ratios
+
+
+def measure_scrape(num_pages: int, repeats: int) -> list[float]:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from exporters.prometheus import PrometheusExporter
+
+    inner = PagedTokenToKVPoolAllocator(num_pages * PS, PS, torch.float16, "cpu")
+    alloc = InstrumentedAllocator(inner, mode="record")
+    # Fragment the pool: allocate, then free every other request.
+    bs = 1024
+    zero = torch.zeros(bs, dtype=I64)
+    seq = torch.full((bs,), 5 * PS, dtype=I64)
+    rids = [f"r{i}" for i in range(bs)]
+    with alloc.batch(rids):
+        out = alloc.alloc_extend(zero, zero, seq, seq.clone(), torch.full((bs,), -1, dtype=I64), bs * 5 * PS)
+    rows = out.view(bs, 5 * PS)
+    for i in range(0, bs, 2):
+        alloc.free(rows[i])
+        alloc.release_request(rids[i])
+    alloc.step()
+    registry = CollectorRegistry()
+    PrometheusExporter(alloc, registry=registry)
+    ratios = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        generate_latest(registry)
+        t_scrape = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        torch.sort(inner.free_pages)
+        t_sort = time.perf_counter() - t0
+        ratios.append(t_scrape / t_sort)
+    return ratios
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for kind in ("prometheus", "otel", "recorder"):
+        rs = measure_exporter(kind, iterations=args.iterations, repeats=args.repeats)
+        rows.append((f"engine loop with {kind} / without (record mode)", rs, "<= 1.15"))
+    rows.append(("one scrape of 1M pages / one torch.sort of its free list", measure_scrape(1 << 20, args.repeats), ""))
+    out = table(rows)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

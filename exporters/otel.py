@@ -1,0 +1,486 @@
+"""OpenTelemetry traces for an ``InstrumentedAllocator``: one ``kv.request`` span per request.
+
+Usage::
+
+    exporter = OtelExporter(alloc)            # OTLP/HTTP, configured by the standard OTEL_* variables
+    ...                                       # the engine runs; spans are exported in the background
+    exporter.shutdown(timeout_millis=5000)    # ends still-open request spans, exports what it can in time
+
+What is traced
+- ``kv.request`` (one per request, a root span): starts at the first event naming the request (its first
+  allocation, or a violation raised by that very call), ends at ``alloc.release_request(rid)``. Attributes:
+  ``kv.request.id``, ``kv.page_size``; set at the end: ``kv.allocated_len``, ``kv.committed_len``,
+  ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
+  frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
+  ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
+  counted, never one event per token) and ``kv.events_dropped``.
+- Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
+  ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
+  ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
+  (``kv.pages_held``, ``kv.pages_peak``) and ``kv.violation`` (``kv.violation.invariant``,
+  ``kv.violation.message``, ``.severity``, ``.op``, ``.pool``); the first violation sets the span's status to
+  ERROR. Every event carries ``kv.step``. A plain ``alloc`` of one slot for a request that already holds KV is a
+  decode (SGLang decodes with ``alloc(bs)`` at page size 1) and is counted as one.
+- At most ``max_events_per_span`` events per span: the first ``max_events_per_span - 1`` events are kept and the
+  last place is kept for ``kv.release``; every event beyond is counted in ``kv.events_dropped``. (The status and
+  ``kv.violations`` still count every violation.) Our own provider raises the SDK's event limit to match; a
+  provider you pass in must allow at least as many (the SDK default, 128, does for the default bound, 64).
+- A violation that names no request gets its own short ``kv.violation`` span (status ERROR, same attributes).
+  One naming a request whose span already ended (a leak found by a later sweep) gets a ``kv.violation`` span in
+  that request's trace, as a child of the ended span.
+- ``alloc.trace_id_for`` is set to this exporter's lookup, so each ``Violation`` of a request carries the trace
+  id (32 hex digits) of that request's span.
+
+Threading and what is dropped when
+- The sink runs on the engine thread, inside the wrapper's call, after the allocator call returned. It only
+  starts and ends spans and adds events and attributes: SDK operations in memory. It never raises into the
+  wrapper: a batch it fails on is refused (returns False), so the bus counts it in ``alloc.bus.dropped["otel"]``;
+  ``errors`` counts them here.
+- Ended spans go to a ``BatchSpanProcessor``: a bounded queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048 spans)
+  whose ``on_end`` is an append, and a background thread that exports in batches (``OTEL_BSP_SCHEDULE_DELAY``,
+  ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``). Nothing on the engine thread waits on the network: when the collector is
+  down or slow, the background thread retries within the exporter timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``)
+  and gives the batch up; when the queue is full, the oldest queued span is dropped (the SDK logs a warning).
+- Spans of requests still open live in memory until their release (one span object and a few counters per live
+  request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
+- A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
+  export on the engine thread; that is the tests' in-memory setup, not a production one.
+
+Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318/v1/traces``), ``..._HEADERS``, ``..._TIMEOUT``,
+``..._COMPRESSION``, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (service name default
+``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``. ``endpoint=`` overrides the endpoint variables
+(a URL without a path gets ``/v1/traces``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+
+from instrumented_alloc import events as ev
+
+__all__ = ["DEFAULT_SERVICE_NAME", "OtelExporter"]
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_SERVICE_NAME = "instrumented-alloc"
+TRACER_NAME = "instrumented_alloc.exporters.otel"
+
+SPAN_REQUEST = "kv.request"
+SPAN_VIOLATION = "kv.violation"
+EV_PREFILL = "kv.prefill"
+EV_PREALLOC = "kv.prealloc"
+EV_SWA_EVICT = "kv.swa_evict"
+EV_RELEASE = "kv.release"
+EV_VIOLATION = "kv.violation"
+
+PREFILL_OPS = frozenset({"alloc_extend", "alloc"})
+PREALLOC_OPS = frozenset({"alloc_extend_swa_tail", "alloc_logical_only"})
+DECODE_OPS = frozenset({"alloc_decode"})
+_ALLOC_OPS = PREFILL_OPS | PREALLOC_OPS | DECODE_OPS
+_LEDGER_FIELDS = {
+    "kv_allocated_len": "allocated",
+    "kv_committed_len": "committed",
+    "swa_evicted_seqlen": "evicted",
+}
+# Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
+_RECENT_ENDED = 4096
+
+
+def _attr_value(rid):
+    if isinstance(rid, (str, int, float)) and not isinstance(rid, bool):
+        return rid
+    return str(rid)
+
+
+def _trace_hex(ctx) -> str | None:
+    return format(ctx.trace_id, "032x") if ctx is not None and ctx.is_valid else None
+
+
+def _traces_url(endpoint: str) -> str:
+    """``endpoint=`` as the full OTLP/HTTP traces URL (a bare ``scheme://host:port`` gets ``/v1/traces``)."""
+    if urlsplit(endpoint).path in ("", "/"):
+        return endpoint.rstrip("/") + "/v1/traces"
+    return endpoint
+
+
+def _run_bounded(fn, timeout_s: float, name: str):
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``: (finished, result)."""
+    out: list = []
+
+    def target():
+        try:
+            out.append(fn())
+        except Exception as exc:
+            _logger.warning("%s failed: %s: %s", name, type(exc).__name__, exc)
+            out.append(False)
+
+    t = threading.Thread(target=target, name=f"otel-exporter-{name}", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout_s))
+    return (True, out[0]) if out else (False, None)
+
+
+class _Req:
+    """An open request span and what will be set on it at the end."""
+
+    __slots__ = (
+        "allocated",
+        "committed",
+        "ctx",
+        "cur_allocated",
+        "cur_committed",
+        "decode_steps",
+        "dropped",
+        "evicted",
+        "n_events",
+        "span",
+        "trace_hex",
+        "violations",
+    )
+
+    def __init__(self, span):
+        self.span = span
+        self.ctx = span.get_span_context()
+        self.trace_hex = _trace_hex(self.ctx)
+        # Reported: the record as allocations and checked writes left it. Current: the ledger's values now
+        # (frees included), what the next allocation's per-request share is measured from.
+        self.allocated = self.committed = self.evicted = 0
+        self.cur_allocated = self.cur_committed = 0
+        self.decode_steps = self.n_events = self.dropped = self.violations = 0
+
+
+class OtelExporter:
+    """Subscribe to ``alloc``'s events and trace its requests. See the module docstring for the contract."""
+
+    name = "otel"  # the bus counts what this sink refused under this name
+    # What the spans read: the wrapper then skips building page deltas for us.
+    event_types = frozenset(
+        {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
+    )
+
+    def __init__(self, alloc, *, tracer_provider=None, max_events_per_span: int = 64, endpoint: str | None = None):
+        if isinstance(max_events_per_span, bool) or not isinstance(max_events_per_span, int):
+            raise TypeError(f"max_events_per_span: expected an int, got {type(max_events_per_span).__name__}")
+        if max_events_per_span < 1:
+            raise ValueError(f"max_events_per_span: expected >= 1, got {max_events_per_span}")
+        if tracer_provider is not None and endpoint is not None:
+            raise ValueError("endpoint= configures the exporter's own provider; it cannot apply to a tracer_provider")
+        self._alloc = alloc
+        self._ledger = alloc.ledger
+        self._ps = int(alloc.page_size)
+        self._max_events = max_events_per_span
+        self._owns_provider = tracer_provider is None
+        self._span_exporter = None
+        if tracer_provider is None:
+            tracer_provider = self._build_provider(endpoint)
+        self._provider = tracer_provider
+        self._tracer = tracer_provider.get_tracer(TRACER_NAME)
+        self._lock = threading.RLock()
+        self._open: dict = {}
+        self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
+        self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
+        self._closed = False
+        self.errors = 0
+        self.last_error: str | None = None
+        self._handlers = {
+            ev.LedgerUpdate: self._on_ledger_update,
+            ev.Alloc: self._on_alloc,
+            ev.LedgerWrite: self._on_ledger_write,
+            ev.SwaEvict: self._on_swa_evict,
+            ev.RequestReleased: self._on_released,
+            ev.ViolationEvent: self._on_violation,
+        }
+        alloc.trace_id_for = self.trace_id_for
+        alloc.subscribe(self)
+
+    def _build_provider(self, endpoint: str | None) -> TracerProvider:
+        resource = Resource.create()
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+        self._span_exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        limits = SpanLimits()
+        if limits.max_events is not None and limits.max_events < self._max_events:
+            limits = SpanLimits(max_events=self._max_events)
+        provider = TracerProvider(resource=resource, span_limits=limits)
+        provider.add_span_processor(BatchSpanProcessor(self._span_exporter))
+        return provider
+
+    # -- public -----------------------------------------------------------------------------------------------
+    @property
+    def tracer_provider(self):
+        return self._provider
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def trace_id_for(self, rid) -> str | None:
+        """The trace id (32 hex digits) of ``rid``'s span; opens it when the request is live and has none yet
+        (the violation is raised by the request's first call, before this sink saw its allocation)."""
+        with self._lock:
+            r = self._open.get(rid)
+            if r is not None:
+                return r.trace_hex
+            if self._closed:
+                return None
+            if rid in self._ledger:
+                return self._start(rid).trace_hex
+            return _trace_hex(self._ended.get(rid))
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export the ended spans now, waiting at most ``timeout_millis``. Blocks: never call it on the engine
+        thread's hot path. False when it timed out or the provider reported a failure."""
+        flush = getattr(self._provider, "force_flush", None)
+        if flush is None:
+            return True
+        done, ok = _run_bounded(lambda: flush(timeout_millis), timeout_millis / 1000, "force_flush")
+        return bool(done and ok is not False)
+
+    def shutdown(self, timeout_millis: int = 30000) -> bool:
+        """Stop tracing: unsubscribe, end the spans of requests still open, export what is left (waiting at most
+        ``timeout_millis``; what could not be exported by then is dropped) and shut our own provider down (a
+        provider passed in is only flushed). Returns whether that finished in time. Idempotent."""
+        alloc = self._alloc
+        # Outside our lock: unsubscribe takes the wrapper's lock, whose holder may be waiting in our sink.
+        if self in alloc.bus.sinks:
+            alloc.unsubscribe(self)
+        if alloc.trace_id_for == self.trace_id_for:
+            alloc.trace_id_for = None
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            still_open, self._open = self._open, {}
+            for r in still_open.values():
+                r.span.set_attribute("kv.open_at_shutdown", True)
+                self._end(r)
+        timeout_s = timeout_millis / 1000
+        if not self._owns_provider:
+            return self.force_flush(timeout_millis)
+        done, _ = _run_bounded(self._provider.shutdown, timeout_s, "shutdown")
+        if not done and self._span_exporter is not None:
+            # Abandon what is still queued: the worker's further exports fail at once instead of retrying.
+            with contextlib.suppress(Exception):
+                self._span_exporter.shutdown()
+        return done
+
+    # -- the sink ---------------------------------------------------------------------------------------------
+    def __call__(self, batch) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                later: list = []
+                handlers = self._handlers
+                for e in batch:
+                    h = handlers.get(type(e))
+                    if h is not None:
+                        h(e, later)
+                for r, name, attrs in later:
+                    self._add_event(r, name, attrs)
+                return True
+            except Exception as exc:
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+            finally:
+                self._pending.clear()
+
+    # -- spans ------------------------------------------------------------------------------------------------
+    def _start(self, rid) -> _Req:
+        span = self._tracer.start_span(
+            SPAN_REQUEST,
+            context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+            kind=SpanKind.INTERNAL,
+            attributes={"kv.request.id": _attr_value(rid), "kv.page_size": self._ps},
+        )
+        r = _Req(span)
+        self._open[rid] = r
+        self._ended.pop(rid, None)
+        return r
+
+    def _req(self, rid) -> _Req:
+        r = self._open.get(rid)
+        return r if r is not None else self._start(rid)
+
+    def _add_event(self, r: _Req, name: str, attrs: dict, *, reserved: bool = False) -> None:
+        limit = self._max_events if reserved else self._max_events - 1
+        if r.n_events < limit:
+            r.n_events += 1
+            r.span.add_event(name, attrs)
+        else:
+            r.dropped += 1
+
+    def _end(self, r: _Req, held: int | None = None, peak: int | None = None) -> None:
+        attrs = {
+            "kv.allocated_len": r.allocated,
+            "kv.committed_len": r.committed,
+            "kv.swa_evicted_seqlen": r.evicted,
+            "kv.violations": r.violations,
+            "kv.decode_steps": r.decode_steps,
+            "kv.events_dropped": r.dropped,
+        }
+        if peak is not None:
+            attrs["kv.pages.peak"] = peak
+        if held is not None:
+            attrs["kv.pages.held_at_release"] = held
+        r.span.set_attributes(attrs)
+        r.span.end()
+
+    # -- event handlers ---------------------------------------------------------------------------------------
+    def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
+        op = e.op
+        alloc, comm = e.allocated.tolist(), e.committed.tolist()
+        get = self._open.get
+        if op in DECODE_OPS:
+            # The hot path (every decode step, the whole batch): one pass, counted here, not per Alloc event.
+            for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
+                r = get(rid)
+                if r is None:
+                    if rid is None:
+                        continue
+                    r = self._start(rid)
+                r.allocated = r.cur_allocated = a
+                r.committed = r.cur_committed = c
+                r.evicted = v
+                r.decode_steps += 1
+            return
+        if op not in _ALLOC_OPS:
+            # Frees: a request torn down before its release keeps its last allocated record on the span; only
+            # the current values move (a retracted request's next prefill is measured from them).
+            for rid, a, c in zip(e.rids, alloc, comm):
+                r = get(rid)
+                if r is not None:
+                    r.cur_allocated, r.cur_committed = a, c
+            return
+        pending = self._pending
+        for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
+            if rid is None:
+                continue
+            r = self._req(rid)
+            pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed)
+            r.allocated, r.committed, r.evicted = a, c, v
+            r.cur_allocated, r.cur_committed = a, c
+
+    def _on_alloc(self, e: ev.Alloc, later: list) -> None:
+        rids = e.rids
+        if not rids:
+            return  # not bound to requests: nothing to attribute
+        op = e.op
+        if op in DECODE_OPS:
+            return  # counted from this call's ledger update
+        if e.pool != "full":
+            if op == "alloc_extend_swa_tail":  # the SWA side of a prealloc: its tail length
+                reqs = {id(self._open.get(rid)) for rid in rids}
+                for r, name, attrs in later:
+                    if name == EV_PREALLOC and id(r) in reqs:
+                        attrs["kv.swa_tail_len"] = e.n_slots
+            return
+        pending = self._pending
+        deltas = [pending.get(rid) for rid in rids]
+        # Per-request shares from this call's ledger update, when they account for the whole allocation (a
+        # cached prefix of a new request would make them overcount).
+        exact = None not in deltas and sum(d[0] for d in deltas) == e.n_slots
+        single = len(rids) == 1
+        for rid, delta in zip(rids, deltas):
+            if rid is None:
+                continue
+            r = self._req(rid)
+            if op == "alloc" and exact and delta[0] == 1 and delta[2] > 0:
+                r.decode_steps += 1
+                continue
+            attrs = {"kv.op": op, "kv.step": e.step}
+            if exact:
+                attrs["kv.n_slots"] = delta[0]
+                attrs["kv.n_pages"] = delta[1] // self._ps
+            elif single:
+                attrs["kv.n_slots"] = e.n_slots
+                attrs["kv.n_pages"] = e.n_pages
+            if not single:
+                attrs["kv.batch_size"] = len(rids)
+                if not exact:
+                    attrs["kv.batch_n_slots"] = e.n_slots
+                    attrs["kv.batch_n_pages"] = e.n_pages
+            later.append((r, EV_PREALLOC if op in PREALLOC_OPS else EV_PREFILL, attrs))
+
+    def _on_ledger_write(self, e: ev.LedgerWrite, later: list) -> None:
+        column = _LEDGER_FIELDS.get(e.field)
+        if column is None or e.rid is None:
+            return
+        r = self._req(e.rid)
+        setattr(r, column, e.new)
+        if column != "evicted":
+            setattr(r, "cur_" + column, e.new)
+
+    def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
+        if e.rid is None:
+            return
+        attrs = {
+            "kv.swa_evicted_seqlen.old": e.old,
+            "kv.swa_evicted_seqlen.new": e.new,
+            "kv.n_pages": e.n_pages,
+            "kv.step": e.step,
+        }
+        later.append((self._req(e.rid), EV_SWA_EVICT, attrs))
+
+    def _on_released(self, e: ev.RequestReleased, later: list) -> None:
+        r = self._open.pop(e.rid, None)
+        if r is None:
+            return  # released without any traced event: nothing was allocated for it
+        # This batch's earlier events first, then the release in its reserved place.
+        for item in later:
+            if item[0] is r:
+                self._add_event(r, item[1], item[2])
+        later[:] = [item for item in later if item[0] is not r]
+        attrs = {"kv.pages_held": e.pages_held, "kv.pages_peak": e.pages_peak, "kv.step": e.step}
+        self._add_event(r, EV_RELEASE, attrs, reserved=True)
+        self._end(r, held=e.pages_held, peak=e.pages_peak)
+        ended = self._ended
+        ended[e.rid] = r.ctx
+        while len(ended) > _RECENT_ENDED:
+            ended.popitem(last=False)
+
+    def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
+        v = e.violation
+        attrs = {
+            "kv.violation.invariant": v.invariant,
+            "kv.violation.message": v.message,
+            "kv.violation.severity": v.severity,
+            "kv.violation.op": v.op,
+            "kv.step": e.step,
+        }
+        if v.pool is not None:
+            attrs["kv.violation.pool"] = v.pool
+        rid = v.rid
+        r = self._open.get(rid) if rid is not None else None
+        if r is None and rid is not None and rid in self._ledger:
+            r = self._start(rid)
+        if r is not None:
+            r.violations += 1
+            if r.violations == 1:
+                r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {v.message}"))
+            later.append((r, EV_VIOLATION, attrs))
+            return
+        parent = Context()
+        if rid is not None:
+            attrs["kv.request.id"] = _attr_value(rid)
+            ctx = self._ended.get(rid)
+            if ctx is not None:
+                parent = trace.set_span_in_context(NonRecordingSpan(ctx), Context())
+        span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
+        span.add_event(EV_VIOLATION, attrs)
+        span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {v.message}"))
+        span.end()

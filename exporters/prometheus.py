@@ -1,0 +1,494 @@
+"""Prometheus exporter for an ``InstrumentedAllocator``: DESIGN.md's metric catalog, nothing more.
+
+Contract
+--------
+``PrometheusExporter(alloc, *, registry=None, const_labels=None, multiprocess=None, refresh_interval=1.0,
+clock=time.monotonic)`` subscribes one sink (named ``"prometheus"``) to ``alloc`` and registers the catalog's
+metrics in ``registry`` (default: a private ``CollectorRegistry``, ``exporter.registry``; pass
+``prometheus_client.REGISTRY`` to add them to an application's existing /metrics). ``serve(port=0,
+addr="127.0.0.1")`` starts prometheus_client's HTTP server (it negotiates OpenMetrics from the Accept header) on a
+daemon thread and returns the bound port; ``close()`` stops the server, unsubscribes the sink and unregisters the
+metrics (idempotent; also a context manager).
+
+What is computed when
+- Counters and histograms (violations, alloc failures, pages allocated/freed, SWA-evicted tokens, op durations,
+  peak pages per request) come from the wrapper's events, through the sink. The sink runs on the engine thread
+  (the allocator caller's thread, inside the wrapper's lock): it does a few dictionary look-ups and
+  ``inc``/``observe`` calls per event, no I/O, no snapshot (single-process mode), and never raises: a failure is
+  caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
+  counts it in ``alloc.bus.dropped["prometheus"]``.
+- ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
+- Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
+  collector over ``alloc.snapshot()`` and ``stats.figures`` -- never per allocator call. The collector runs on
+  the HTTP server's thread; ``alloc.snapshot()`` takes the wrapper's lock briefly (an O(num_pages) copy of each
+  pool's owner array), so a scrape delays the engine by about that copy. A failing collector is caught and
+  logged: the gauge families are then left out of that scrape (absent, not wrong).
+- Multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set, as SGLang runs; read in the constructor; ``multiprocess=``
+  overrides): the gauges are plain ``Gauge``s in prometheus_client's mmap files, refreshed from a snapshot when the
+  sink sees a ``StepBoundary`` event, at most once per ``refresh_interval`` seconds of ``clock`` (and once at
+  construction, and by ``refresh()``); the dropped counter is brought up to date at the same time. Each process
+  (rank) must carry distinguishing ``const_labels`` (``engine``, ``tp_rank``, ``dp_rank``, ...). ``serve()``
+  then exposes a registry holding a ``MultiProcessCollector`` over the directory (every process's metrics).
+  The per-gauge ``multiprocess_mode`` is documented at ``_GAUGES``; the ``live*`` modes drop a process's gauges
+  once the parent calls ``prometheus_client.multiprocess.mark_process_dead(pid)``, while its counters stay
+  (counters of dead processes must keep counting into the sums). prometheus_client itself chooses its value
+  class when it is first imported: the variable must be set before that import (a clear error says so).
+  Exemplars are not stored by prometheus_client in multiprocess mode.
+- Exemplars (single-process): ``kvalloc_invariant_violations_total`` carries ``{trace_id="..."}`` of the latest
+  violation that had one (``alloc.trace_id_for``); visible in the OpenMetrics exposition.
+
+Labels are bounded: pool, state, invariant, op, sink, plus the caller's const labels. Request ids are never labels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from instrumented_alloc import INVARIANTS, stats
+from instrumented_alloc import events as ev
+
+__all__ = ["OP_DURATION_BUCKETS", "REQUEST_PAGES_BUCKETS", "PrometheusExporter"]
+
+log = logging.getLogger(__name__)
+
+SINK_NAME = "prometheus"
+PREFIX = "kvalloc_"
+
+# Inner allocator calls take from about a microsecond (a host-side decode of a small batch) to milliseconds
+# (a large prefill, or a free that sorts); 0.1 s catches pauses (GC, a device sync) without an open-ended +Inf.
+OP_DURATION_BUCKETS = (
+    1e-6,
+    2.5e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    1e-1,
+)
+# Peak pages per request: 1 .. 4096 pages, doubling (a 4096-page request at page size 64 is 256k tokens).
+REQUEST_PAGES_BUCKETS = tuple(float(2**i) for i in range(13))
+
+# Gauges: (name, help, labels, multiprocess_mode). Modes (multiprocess only; ranks differ by const labels, so a
+# mode only decides how processes that share one label set combine, and whether a dead process's value stays):
+# - "live*" everywhere: a gauge describes the state of a running allocator; once a process is marked dead its
+#   pages, requests and ratios must not linger in the aggregate.
+# - pages, requests, free runs, outside-window tokens: "livesum" (they are amounts: processes add up).
+# - page size: "livemax" (a configuration constant, equal in every process; max is exact and, unlike
+#   mostrecent, does not depend on the wall clock of the last write).
+# - fragmentation ratios and the largest free run: "livemax" (a ratio or a maximum cannot be summed; the worst
+#   process is what alerts must see, and mostrecent would flap between processes).
+_GAUGES = (
+    (
+        "pages",
+        "Pages by state (free/used/staged/reserved); the states sum to the pool's capacity.",
+        ("pool", "state"),
+        "livesum",
+    ),
+    ("page_size_tokens", "Tokens per KV page.", (), "livemax"),
+    ("requests_live", "Requests that hold KV (kv_allocated_len > 0).", (), "livesum"),
+    ("internal_fragmentation_ratio", "1 - committed tokens / allocated slots of live requests.", ("pool",), "livemax"),
+    (
+        "external_fragmentation_ratio",
+        "1 - largest free run / free pages (0 when nothing is free).",
+        ("pool",),
+        "livemax",
+    ),
+    ("free_runs", "Number of maximal runs of consecutive free pages.", ("pool",), "livesum"),
+    ("largest_free_run_pages", "The longest run of consecutive free pages.", ("pool",), "livemax"),
+    ("swa_outside_window_tokens", "Tokens still holding SWA KV though outside the sliding window.", (), "livesum"),
+)
+
+_RESERVED_LABELS = frozenset({"pool", "state", "invariant", "op", "sink", "le", "quantile", "pid"})
+_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
+# Free ops that touch only the SWA pool; every other free emits a "full" event, which carries the call's duration.
+_SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
+_MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
+
+
+def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in (const_labels or {}).items():
+        if not isinstance(k, str) or not _LABEL_RE.match(k) or k.startswith("__"):
+            raise ValueError(f"const_labels: {k!r} is not a valid Prometheus label name")
+        if k in _RESERVED_LABELS:
+            raise ValueError(f"const_labels: {k!r} is a label of the metric catalog (or reserved); pick another name")
+        out[k] = str(v)
+    return out
+
+
+def _multiproc_dir() -> str | None:
+    # prometheus_client still honours the deprecated lower-case name (and copies it to the upper-case one).
+    env = os.environ
+    return env.get("PROMETHEUS_MULTIPROC_DIR") or env.get("prometheus_multiproc_dir") or None
+
+
+def _exemplar(trace_id) -> dict[str, str] | None:
+    if trace_id is None:
+        return None
+    s = str(trace_id)
+    if not s or len("trace_id") + len(s) > _MAX_EXEMPLAR_RUNES:
+        return None
+    return {"trace_id": s}
+
+
+class _Sink:
+    """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under)."""
+
+    name = SINK_NAME
+    # What the counters and histograms read: the wrapper then skips building page and ledger deltas for us.
+    event_types = frozenset(
+        {ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased, ev.StepBoundary}
+    )
+
+    def __init__(self, exporter: PrometheusExporter):
+        self._exporter = exporter
+
+    def __call__(self, batch) -> bool | None:
+        return self._exporter._on_batch(batch)
+
+
+class _GaugeCollector:
+    """Single-process mode: the gauges and the dropped counter, computed from ``alloc.snapshot()`` per scrape."""
+
+    def __init__(self, exporter: PrometheusExporter):
+        self._x = exporter
+
+    def describe(self):
+        x = self._x
+        fams = [GaugeMetricFamily(PREFIX + n, h, labels=x._const_names + lab) for n, h, lab, _ in _GAUGES]
+        fams.append(x._dropped_family())
+        return fams
+
+    def collect(self):
+        x = self._x
+        try:
+            fams = x._gauge_families(stats.figures(x._alloc.snapshot()))
+        except Exception as exc:  # a scrape must never take the engine (or the HTTP server) down
+            x._collect_failed(exc)
+            fams = []
+        try:
+            fams.append(x._dropped_family(x._alloc.bus.dropped))
+        except Exception as exc:
+            x._collect_failed(exc)
+        return fams
+
+
+class PrometheusExporter:
+    """Exports DESIGN.md's metric catalog for one ``InstrumentedAllocator``. See the module docstring."""
+
+    def __init__(
+        self,
+        alloc,
+        *,
+        registry: CollectorRegistry | None = None,
+        const_labels: Mapping[str, object] | None = None,
+        multiprocess: bool | None = None,
+        refresh_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if refresh_interval < 0:
+            raise ValueError(f"refresh_interval: expected >= 0 seconds, got {refresh_interval!r}")
+        self._alloc = alloc
+        self._const = _check_const_labels(const_labels)
+        self._const_names = tuple(self._const)
+        self._const_values = tuple(self._const.values())
+        self.refresh_interval = float(refresh_interval)
+        self._clock = clock
+        if multiprocess is None:
+            multiprocess = _multiproc_dir() is not None
+        self.multiprocess = bool(multiprocess)
+        self._mp_dir = None
+        if self.multiprocess:
+            self._mp_dir = _multiproc_dir()
+            if not self._mp_dir or not os.path.isdir(self._mp_dir):
+                raise ValueError(
+                    "multiprocess mode needs PROMETHEUS_MULTIPROC_DIR set to an existing directory "
+                    f"(got {self._mp_dir!r})"
+                )
+            if not getattr(values.ValueClass, "_multiprocess", False):
+                raise RuntimeError(
+                    "multiprocess mode: prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set, so "
+                    "its metrics live in process memory only; set the variable before prometheus_client is imported"
+                )
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.port: int | None = None
+        self.last_error: str | None = None
+        self.sink_errors = 0
+        self._collect_errors_logged: set[str] = set()
+        self._httpd = None
+        self._http_thread: threading.Thread | None = None
+        self._closed = False
+        self._registered: list = []
+        self._lock = threading.Lock()  # serve/close bookkeeping; never taken by the sink
+        self._refresh_lock = threading.Lock()  # only ever try-acquired (multiprocess refresh)
+
+        self._dropped_seen: dict[str, int] = {}
+        self._last_refresh = self._clock()
+        try:
+            self._build_event_metrics()
+            if self.multiprocess:
+                self._build_mp_gauges()
+                self.refresh()
+            else:
+                self._collector = _GaugeCollector(self)
+                self.registry.register(self._collector)
+                self._registered.append(self._collector)
+        except BaseException:
+            self._unregister()  # e.g. a name clash in a shared registry: leave it as it was
+            raise
+
+        self.sink = _Sink(self)
+        self._handlers = {
+            ev.Alloc: self._on_alloc,
+            ev.AllocFailed: self._on_alloc_failed,
+            ev.Free: self._on_free,
+            ev.SwaEvict: self._on_swa_evict,
+            ev.RequestReleased: self._on_released,
+            ev.ViolationEvent: self._on_violation,
+            ev.StepBoundary: self._on_step,
+        }
+        alloc.subscribe(self.sink)
+
+    # -- metric construction --------------------------------------------------------------------------------------
+    def _metric(self, cls, name: str, doc: str, labels: tuple, **kw):
+        m = cls(PREFIX + name, doc, labelnames=self._const_names + labels, registry=self.registry, **kw)
+        self._registered.append(m)
+        return m
+
+    def _build_event_metrics(self) -> None:
+        self._violations = self._metric(
+            Counter, "invariant_violations", "Invariant violations seen, by invariant id.", ("invariant",)
+        )
+        self._failures = self._metric(
+            Counter, "alloc_failures", "Allocations refused for lack of pages.", ("pool", "op")
+        )
+        self._allocated = self._metric(Counter, "pages_allocated", "Pages handed out.", ("pool",))
+        self._freed = self._metric(Counter, "pages_freed", "Pages released.", ("pool",))
+        self._evicted = self._metric(Counter, "swa_evicted_tokens", "SWA tokens evicted (sliding window).", ())
+        self._op_duration = self._metric(
+            Histogram,
+            "op_duration_seconds",
+            "Wall time of the inner allocator call.",
+            ("op",),
+            buckets=OP_DURATION_BUCKETS,
+        )
+        self._request_pages = self._metric(
+            Histogram,
+            "request_pages",
+            "Peak pages held per request, observed when the request is released.",
+            ("pool",),
+            buckets=REQUEST_PAGES_BUCKETS,
+        )
+        self._children: dict = {}
+        # Series that alert rules and rate() must see before the first increment.
+        for inv in INVARIANTS:
+            self._child(self._violations, inv)
+        pools = tuple(getattr(self._alloc, "pools", ("full",)))
+        for pool in pools:
+            self._child(self._allocated, pool)
+            self._child(self._freed, pool)
+        for op in _ALLOC_OPS:
+            if hasattr(self._alloc, op):
+                self._child(self._failures, "full", op)
+        self._child(self._evicted)
+        self._child(self._request_pages, "full")
+
+    def _build_mp_gauges(self) -> None:
+        self._gauges = {
+            name: self._metric(Gauge, name, doc, labels, multiprocess_mode=mode) for name, doc, labels, mode in _GAUGES
+        }
+        self._dropped_counter = self._metric(
+            Counter, "events_dropped", "Events a sink could not take (refused or failed batches).", ("sink",)
+        )
+
+    def _child(self, metric, *labels):
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = metric.labels(*self._const_values, *labels) if (self._const_values or labels) else metric
+            self._children[key] = c
+        return c
+
+    # -- the sink (engine thread) ------------------------------------------------------------------------------
+    def _on_batch(self, batch) -> bool | None:
+        try:
+            handlers = self._handlers
+            for e in batch:
+                h = handlers.get(type(e))
+                if h is not None:
+                    h(e)
+            return None
+        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+            self.sink_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+
+    def _on_alloc(self, e: ev.Alloc) -> None:
+        if e.n_pages:
+            self._child(self._allocated, e.pool).inc(e.n_pages)
+        if e.pool == "full":  # one Alloc per pool per call: the full pool's carries the call's duration
+            self._child(self._op_duration, e.op).observe(e.duration)
+
+    def _on_alloc_failed(self, e: ev.AllocFailed) -> None:
+        self._child(self._failures, e.pool, e.op).inc()
+
+    def _on_free(self, e: ev.Free) -> None:
+        if e.n_pages:
+            self._child(self._freed, e.pool).inc(e.n_pages)
+        if e.pool == "full" or e.op in _SWA_ONLY_FREES:  # one observation per call
+            self._child(self._op_duration, e.op).observe(e.duration)
+
+    def _on_swa_evict(self, e: ev.SwaEvict) -> None:
+        n = e.new - e.old
+        if n > 0:
+            self._child(self._evicted).inc(n)
+
+    def _on_released(self, e: ev.RequestReleased) -> None:
+        # The event carries one peak (the request's largest page count in any pool, which is the full pool's
+        # for every allocator here): observed under pool="full".
+        self._child(self._request_pages, "full").observe(e.pages_peak)
+
+    def _on_violation(self, e: ev.ViolationEvent) -> None:
+        v = e.violation
+        self._child(self._violations, v.invariant).inc(1, exemplar=_exemplar(v.trace_id))
+
+    def _on_step(self, e: ev.StepBoundary) -> None:
+        if self.multiprocess and self._clock() - self._last_refresh >= self.refresh_interval:
+            self.refresh()
+
+    # -- gauges ---------------------------------------------------------------------------------------------
+    def _gauge_values(self, fig: dict) -> Iterable[tuple[str, tuple, float]]:
+        """(gauge name, own label values, value) for every gauge series of one ``stats.figures`` result."""
+        yield "page_size_tokens", (), fig["page_size_tokens"]
+        yield "requests_live", (), fig["requests_live"]
+        yield "swa_outside_window_tokens", (), fig["swa_outside_window_tokens"]
+        for pool, pf in fig["pools"].items():
+            for state in stats.STATES:
+                yield "pages", (pool, state), pf["pages_by_state"][state]
+            yield "internal_fragmentation_ratio", (pool,), pf["internal_fragmentation"]
+            yield "external_fragmentation_ratio", (pool,), pf["external_fragmentation"]
+            yield "free_runs", (pool,), pf["free_run_count"]
+            yield "largest_free_run_pages", (pool,), pf["largest_free_run"]
+
+    def _gauge_families(self, fig: dict) -> list:
+        fams = {n: GaugeMetricFamily(PREFIX + n, h, labels=self._const_names + lab) for n, h, lab, _ in _GAUGES}
+        for name, labels, value in self._gauge_values(fig):
+            fams[name].add_metric(self._const_values + labels, float(value))
+        return list(fams.values())
+
+    def _dropped_family(self, dropped: Mapping[str, int] | None = None) -> CounterMetricFamily:
+        fam = CounterMetricFamily(
+            PREFIX + "events_dropped",
+            "Events a sink could not take (refused or failed batches).",
+            labels=(*self._const_names, "sink"),
+        )
+        for sink, n in sorted((dropped or {}).items()):
+            fam.add_metric((*self._const_values, str(sink)), float(n))
+        return fam
+
+    def _collect_failed(self, exc: Exception) -> None:
+        msg = f"{type(exc).__name__}: {exc}"
+        self.last_error = msg
+        if msg not in self._collect_errors_logged and len(self._collect_errors_logged) < 100:
+            self._collect_errors_logged.add(msg)
+            log.warning("kvalloc prometheus collector failed; gauges left out of this scrape: %s", msg, exc_info=exc)
+
+    def refresh(self) -> None:
+        """Multiprocess mode: set every gauge from a snapshot now and bring the dropped counter up to date
+        (the sink calls this at step boundaries, rate-limited). Single-process mode: nothing to do (the
+        gauges are computed at scrape time)."""
+        if not self.multiprocess or self._closed:
+            return
+        # Never wait: a refresh already running elsewhere (a user's thread, close()) writes current values too.
+        if not self._refresh_lock.acquire(blocking=False):
+            return
+        try:
+            self._last_refresh = self._clock()
+            fig = stats.figures(self._alloc.snapshot())
+            for name, labels, value in self._gauge_values(fig):
+                self._gauges[name].labels(*self._const_values, *labels).set(float(value))
+            for sink, n in list(self._alloc.bus.dropped.items()):
+                seen = self._dropped_seen.get(sink, 0)
+                child = self._dropped_counter.labels(*self._const_values, str(sink))
+                if n > seen:
+                    child.inc(n - seen)
+                self._dropped_seen[sink] = max(seen, n)
+        finally:
+            self._refresh_lock.release()
+
+    # -- HTTP ----------------------------------------------------------------------------------------------
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics (text format, or OpenMetrics when the scraper asks for it) on ``addr:port``; returns the
+        bound port (``port=0``: an ephemeral one). Multiprocess mode serves every process's metrics of the
+        directory through a ``MultiProcessCollector``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("serve(): the exporter is closed")
+            if self._httpd is not None:
+                raise RuntimeError(f"serve(): already serving on {addr}:{self.port}")
+            if self.multiprocess:
+                reg = CollectorRegistry()
+                MultiProcessCollector(reg, path=self._mp_dir)
+            else:
+                reg = self.registry
+            try:
+                httpd, thread = start_http_server(int(port), addr=addr, registry=reg)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(errno.EADDRINUSE, f"metrics port {port} on {addr} is already in use") from exc
+                raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
+            self._httpd, self._http_thread = httpd, thread
+            self.port = int(httpd.server_port)
+            return self.port
+
+    def close(self) -> None:
+        """Stop the HTTP server, unsubscribe from the allocator, unregister the metrics. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if self.multiprocess:
+                try:
+                    self.refresh()  # the last word on the dropped counter and the gauges
+                except Exception as exc:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+            self._closed = True
+            httpd, self._httpd = self._httpd, None
+            if httpd is not None:
+                httpd.shutdown()
+                httpd.server_close()
+                if self._http_thread is not None:
+                    self._http_thread.join(timeout=5)
+            with contextlib.suppress(ValueError):
+                self._alloc.unsubscribe(self.sink)
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for m in self._registered:
+            with contextlib.suppress(KeyError):
+                self.registry.unregister(m)
+        self._registered.clear()
+
+    def __enter__(self) -> PrometheusExporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,622 @@
+"""OtelExporter: request spans from a wrapped allocator, OTLP/HTTP export to a real receiver, and an engine thread
+that never waits on the network (collector down or slow).
+
+In-memory tests use the SDK's InMemorySpanExporter behind a SimpleSpanProcessor; the OTLP tests run a small
+HTTP receiver on 127.0.0.1 and assert on what it decoded, never on force_flush's return value.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from exporters.otel import OtelExporter
+from instrumented_alloc import InstrumentedAllocator, Violation
+from instrumented_alloc.allocators import (
+    PagedTokenToKVPoolAllocator,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from instrumented_alloc.events import ViolationEvent
+from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
+from tests.engine_model import Req, allocator_state, decode_args, extend_args, split_extend, t
+
+PS = 4
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def memory():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def paged(size=64):
+    return InstrumentedAllocator(PagedTokenToKVPoolAllocator(size, PS, torch.float16, "cpu"), mode="record")
+
+
+def extend(w, reqs, lens):
+    with w.batch([r.rid for r in reqs]):
+        out = w.alloc_extend(*extend_args(reqs, lens))
+    split_extend(reqs, lens, out)
+    return out
+
+
+def decode(w, reqs):
+    with w.batch([r.rid for r in reqs]):
+        out = w.alloc_decode(*decode_args(reqs))
+    for r, s in zip(reqs, out.tolist()):
+        r.row.append(s)
+    return out
+
+
+def hex_id(span) -> str:
+    return format(span.context.trace_id, "032x")
+
+
+def request_spans(exporter) -> dict:
+    return {s.attributes["kv.request.id"]: s for s in exporter.get_finished_spans() if s.name == "kv.request"}
+
+
+def events(span, name=None) -> list:
+    return [(e.name, dict(e.attributes)) for e in span.events if name is None or e.name == name]
+
+
+# -- 1. request spans, in memory ---------------------------------------------------------------------------------
+def test_request_spans_scripted(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [6, 9])
+    w.step()
+    for _ in range(3):
+        decode(w, [a, b])
+        w.step()
+    # a finishes cleanly.
+    w.free(t(a.row))
+    w.release_request("a")
+    # b: a double free of its first page (named after the page's last owner, b), a rejected ledger write, and a
+    # release while still owning two pages.
+    w.free(t(b.row[:4]))
+    w.free(t(b.row[:4]))
+    w.ledger["b"].kv_committed_len = 99
+    w.release_request("b")
+    w.step()
+
+    spans = mem.get_finished_spans()
+    assert sorted(s.name for s in spans) == ["kv.request", "kv.request"]
+    reqs = request_spans(mem)
+    sa, sb = reqs["a"], reqs["b"]
+    assert dict(sa.attributes) == {
+        "kv.request.id": "a",
+        "kv.page_size": PS,
+        "kv.allocated_len": 12,  # 6 + 3 decodes = 9 tokens, 3 pages
+        "kv.committed_len": 9,
+        "kv.swa_evicted_seqlen": 0,
+        "kv.pages.peak": 3,
+        "kv.pages.held_at_release": 0,
+        "kv.violations": 0,
+        "kv.decode_steps": 3,
+        "kv.events_dropped": 0,
+    }
+    assert events(sa) == [
+        ("kv.prefill", {"kv.op": "alloc_extend", "kv.step": 0, "kv.n_slots": 6, "kv.n_pages": 2, "kv.batch_size": 2}),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 3, "kv.step": 4}),
+    ]
+    assert sa.status.status_code in (StatusCode.UNSET, StatusCode.OK)
+
+    assert dict(sb.attributes) == {
+        "kv.request.id": "b",
+        "kv.page_size": PS,
+        "kv.allocated_len": 12,
+        "kv.committed_len": 12,
+        "kv.swa_evicted_seqlen": 0,
+        "kv.pages.peak": 3,
+        "kv.pages.held_at_release": 2,
+        "kv.violations": 3,
+        "kv.decode_steps": 3,
+        "kv.events_dropped": 0,
+    }
+    assert [name for name, _ in events(sb)] == [
+        "kv.prefill",
+        "kv.violation",
+        "kv.violation",
+        "kv.violation",
+        "kv.release",
+    ]
+    assert events(sb, "kv.prefill")[0][1]["kv.n_slots"] == 9
+    (_, v0), (_, v1), (_, v2) = events(sb, "kv.violation")
+    assert v0["kv.violation.invariant"] == "double_free"
+    assert v1["kv.violation.invariant"] == "kv_committed_le_allocated"
+    assert v2["kv.violation.invariant"] == "request_leak"
+    assert v2["kv.violation.message"] == "request 'b' released while still owning 2 pages (full: 2)"
+    assert events(sb, "kv.release") == [("kv.release", {"kv.pages_held": 2, "kv.pages_peak": 3, "kv.step": 4})]
+    assert sb.status.status_code is StatusCode.ERROR
+    assert sb.status.description.startswith("double_free: ")
+    # Decode allocations are counted, never evented.
+    for s in (sa, sb):
+        assert {name for name, _ in events(s)} <= {"kv.prefill", "kv.violation", "kv.release"}
+
+    # Violation records carry the trace id of their request's span.
+    vs = list(w.violations)
+    assert [v.invariant for v in vs] == ["double_free", "kv_committed_le_allocated", "request_leak"]
+    assert vs[0].rid == "b"
+    assert vs[0].trace_id == vs[1].trace_id == vs[2].trace_id == hex_id(sb)
+    assert len(vs[1].trace_id) == 32
+    assert hex_id(sa) != hex_id(sb)
+    assert w.bus.dropped["otel"] == 0 and exp.errors == 0
+    assert exp.open_requests == 0
+
+
+def test_violation_in_first_call_opens_the_span(memory):
+    """A violation raised by a request's very first allocation already carries that request's trace id."""
+    provider, mem = memory
+    w = paged()
+    OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [6])
+    used_page = a.row[0] // PS
+    w.inner.free_pages = torch.cat([t([used_page]), w.inner.free_pages[1:]])  # an allocator bug
+    c = Req("c")
+    extend(w, [c], [4])
+    (v,) = w.violations
+    assert (v.invariant, v.rid) == ("duplicate_allocation", "c")
+    assert w.ledger["c"].kv_allocated_len == 4
+    w.release_request("c")  # c still owns its (shared) page: a leak too
+    sc = request_spans(mem)["c"]
+    assert v.trace_id == hex_id(sc)
+    assert [name for name, _ in events(sc)] == ["kv.violation", "kv.prefill", "kv.violation", "kv.release"]
+    assert sc.attributes["kv.violations"] == 2
+    assert sc.status.status_code is StatusCode.ERROR
+
+
+def test_page_size_one_alloc_prefill_decode_and_retraction(memory):
+    """At page size 1 SGLang allocates prefill and decode with alloc(n): a one-slot alloc of a request that
+    already holds KV is a decode. A retracted (freed, not released) request's re-prefill is measured from its
+    current record."""
+    provider, mem = memory
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu"), mode="record")
+    OtelExporter(w, tracer_provider=provider)
+    with w.batch(["a", "b"], lens=[3, 5]):
+        ab = w.alloc(8)
+    for _ in range(2):
+        with w.batch(["a", "b"]):
+            ab = torch.cat([ab, w.alloc(2)])
+        w.step()
+    a_slots = ab[[0, 1, 2, 8, 10]]
+    w.free(a_slots)  # retract a: all its KV freed, the request is not released
+    with w.batch(["a"]):
+        a_slots = w.alloc(5)  # re-prefill its 5 tokens
+    w.free(a_slots)
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert events(sa) == [
+        ("kv.prefill", {"kv.op": "alloc", "kv.step": 0, "kv.n_slots": 3, "kv.n_pages": 3, "kv.batch_size": 2}),
+        ("kv.prefill", {"kv.op": "alloc", "kv.step": 2, "kv.n_slots": 5, "kv.n_pages": 5}),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 5, "kv.step": 2}),
+    ]
+    assert sa.attributes["kv.decode_steps"] == 2
+    assert sa.attributes["kv.committed_len"] == sa.attributes["kv.allocated_len"] == 5
+    assert not w.violations
+
+
+def test_events_per_span_are_bounded(memory):
+    provider, mem = memory
+    w = paged()
+    OtelExporter(w, tracer_provider=provider, max_events_per_span=3)
+    a = Req("a")
+    for _ in range(5):  # chunked prefill: five prefill events
+        extend(w, [a], [4])
+        w.step()
+    for _ in range(6):
+        decode(w, [a])
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    # The first two prefills, then the release in the place kept for it.
+    assert [name for name, _ in events(sa)] == ["kv.prefill", "kv.prefill", "kv.release"]
+    assert [e["kv.step"] for _, e in events(sa, "kv.prefill")] == [0, 1]
+    assert sa.attributes["kv.events_dropped"] == 3
+    assert sa.attributes["kv.decode_steps"] == 6
+    assert sa.attributes["kv.allocated_len"] == 28 and sa.attributes["kv.committed_len"] == 26
+    assert sa.attributes["kv.pages.peak"] == 7
+
+
+def test_violation_without_request_gets_its_own_span(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    w.free_page_ids(t([12]))  # never handed out
+    (s,) = mem.get_finished_spans()
+    assert s.name == "kv.violation"
+    assert s.status.status_code is StatusCode.ERROR
+    assert s.attributes["kv.violation.invariant"] == "free_unallocated"
+    assert s.attributes["kv.violation.op"] == "free_page_ids"
+    assert s.attributes["kv.violation.pool"] == "full"
+    assert s.attributes["kv.violation.message"] == w.violations[0].message
+    assert s.end_time is not None and s.parent is None
+    assert exp.open_requests == 0
+
+
+def test_late_violation_of_a_released_request_joins_its_trace(memory):
+    """A violation naming a request whose span ended (e.g. a later sweep's leak) lands in that trace."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert exp.trace_id_for("a") == hex_id(sa)
+    assert exp([ViolationEvent(seq=1, ts=0.0, step=9, violation=Violation("request_leak", "late", rid="a"))])
+    late = mem.get_finished_spans()[-1]
+    assert late.name == "kv.violation"
+    assert late.context.trace_id == sa.context.trace_id
+    assert late.parent.span_id == sa.context.span_id
+    assert late.attributes["kv.request.id"] == "a"
+    assert exp.trace_id_for("never-seen") is None
+
+
+def test_sink_failure_never_reaches_the_allocator(memory, monkeypatch):
+    provider, _ = memory
+    w = paged()
+    bare = PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu")
+    exp = OtelExporter(w, tracer_provider=provider)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("tracer down")
+
+    monkeypatch.setattr(exp._tracer, "start_span", boom)
+    a = Req("a")
+    out = extend(w, [a], [6])
+    assert torch.equal(out, bare.alloc_extend(*extend_args([Req("a")], [6])))
+    assert exp.errors == 1 and "tracer down" in exp.last_error
+    assert w.bus.dropped["otel"] > 0
+    assert w.violations == type(w.violations)(maxlen=w.violations.maxlen)  # nothing recorded
+
+
+def test_shutdown_detaches_and_ends_open_spans(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [6])
+    assert exp.open_requests == 1 and not mem.get_finished_spans()
+    assert exp.shutdown(timeout_millis=1000)
+    (sa,) = mem.get_finished_spans()
+    assert sa.attributes["kv.open_at_shutdown"] is True
+    assert sa.attributes["kv.allocated_len"] == 8
+    assert exp not in w.bus.sinks and w.trace_id_for is None
+    decode(w, [a])  # the wrapper goes on without the exporter
+    assert len(mem.get_finished_spans()) == 1
+
+
+# -- 2. SWA: prealloc with a tail, evictions ---------------------------------------------------------------------
+def test_swa_prealloc_and_evictions(memory):
+    provider, mem = memory
+    w = InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(64, 64, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
+    )
+    OtelExporter(w, tracer_provider=provider)
+    tail = swa_tail_len(20, 8, PS)
+    assert tail == 8
+    p = Req("p", row=alloc_for_decode_prealloc(w, rid="p", fill_len=20, swa_tail_len=tail).tolist())
+    w.step()
+    for _ in range(4):  # 24 tokens
+        decode(w, [p])
+        w.step()
+    w.free_swa_segment(t(p.row[12:16]), start_pos=12)
+    w.ledger["p"].swa_evicted_seqlen = 16
+    w.step()
+    # A second, ordinary request, decoding past two eviction points.
+    q = Req("q")
+    extend(w, [q], [10])
+    for _ in range(6):  # 16 tokens: the window allows evicting 4, then 8
+        decode(w, [q])
+        if q.seq in (12, 16):
+            done = w.ledger["q"].swa_evicted_seqlen
+            w.free_swa_segment(t(q.row[done : q.seq - 8]), start_pos=done)
+            w.ledger["q"].swa_evicted_seqlen = q.seq - 8
+        w.step()
+    w.free(t(p.row))
+    w.release_request("p")
+    w.free(t(q.row))
+    w.release_request("q")
+    assert not w.violations
+
+    reqs = request_spans(mem)
+    sp, sq = reqs["p"], reqs["q"]
+    assert events(sp) == [
+        (
+            "kv.prealloc",
+            {"kv.op": "alloc_extend_swa_tail", "kv.step": 0, "kv.n_slots": 20, "kv.n_pages": 5, "kv.swa_tail_len": 8},
+        ),
+        (
+            "kv.swa_evict",
+            {"kv.swa_evicted_seqlen.old": 0, "kv.swa_evicted_seqlen.new": 12, "kv.n_pages": 3, "kv.step": 0},
+        ),
+        (
+            "kv.swa_evict",
+            {"kv.swa_evicted_seqlen.old": 12, "kv.swa_evicted_seqlen.new": 16, "kv.n_pages": 1, "kv.step": 5},
+        ),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 6, "kv.step": 12}),
+    ]
+    assert sp.attributes["kv.swa_evicted_seqlen"] == 16
+    assert sp.attributes["kv.allocated_len"] == 24 and sp.attributes["kv.committed_len"] == 24
+    assert sp.attributes["kv.decode_steps"] == 4
+    assert sp.status.status_code is StatusCode.UNSET
+
+    assert [name for name, _ in events(sq)] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict", "kv.release"]
+    assert [
+        (e["kv.swa_evicted_seqlen.old"], e["kv.swa_evicted_seqlen.new"], e["kv.n_pages"])
+        for _, e in events(sq, "kv.swa_evict")
+    ] == [(0, 4, 1), (4, 8, 1)]
+    assert sq.attributes["kv.swa_evicted_seqlen"] == 8
+    assert sq.attributes["kv.decode_steps"] == 6
+    assert sq.attributes["kv.committed_len"] == 16
+
+
+# -- OTLP/HTTP receiver -----------------------------------------------------------------------------------------
+def _value(any_value):
+    return getattr(any_value, any_value.WhichOneof("value"))
+
+
+class Receiver:
+    """A minimal OTLP/HTTP traces endpoint on 127.0.0.1: decodes every POST /v1/traces and keeps its spans."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.spans: list = []  # (resource attributes, span proto)
+        self.encodings: list = []
+        self.hits = 0
+        self.first_hit: float | None = None
+        self.lock = threading.RLock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                try:
+                    body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    with receiver.lock:
+                        receiver.hits += 1
+                        if receiver.first_hit is None:
+                            receiver.first_hit = time.monotonic()
+                    if receiver.delay:
+                        time.sleep(receiver.delay)
+                    if self.path != "/v1/traces":
+                        self.send_response(404)
+                        self.end_headers()
+                        return
+                    encoding = self.headers.get("Content-Encoding", "")
+                    if encoding == "gzip":
+                        body = gzip.decompress(body)
+                    req = ExportTraceServiceRequest()
+                    req.ParseFromString(body)
+                    got = []
+                    for rs in req.resource_spans:
+                        res = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+                        got += [(res, span) for ss in rs.scope_spans for span in ss.spans]
+                    with receiver.lock:
+                        receiver.encodings.append(encoding)
+                        receiver.spans += got
+                    payload = ExportTraceServiceResponse().SerializeToString()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/x-protobuf")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the exporter gave up waiting (the slow case)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if predicate(self):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def request_spans(self) -> dict:
+        with self.lock:
+            out = {}
+            for _, s in self.spans:
+                if s.name == "kv.request":
+                    attrs = {kv.key: _value(kv.value) for kv in s.attributes}
+                    out[attrs["kv.request.id"]] = (s, attrs)
+            return out
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def otel_env(monkeypatch):
+    """A clean OTEL_* environment (the machine's own settings must not leak into the tests)."""
+    for k in list(os.environ):
+        if k.startswith("OTEL_"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+# -- 3. end to end over OTLP/HTTP --------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["env-gzip", "endpoint-arg"])
+def test_otlp_http_end_to_end(otel_env, how):
+    rx = Receiver()
+    try:
+        if how == "env-gzip":
+            otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.base + "/v1/traces")
+            otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
+            w = paged()
+            exp = OtelExporter(w)
+            service = "instrumented-alloc"
+        else:
+            otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # endpoint= overrides it
+            otel_env.setenv("OTEL_SERVICE_NAME", "kv-e2e")
+            w = paged()
+            exp = OtelExporter(w, endpoint=rx.base)
+            service = "kv-e2e"
+        a, b, c = Req("a"), Req("b"), Req("c")
+        extend(w, [a, b, c], [6, 9, 3])
+        for _ in range(2):
+            decode(w, [a, b, c])
+            w.step()
+        w.free(t(a.row))
+        w.release_request("a")
+        w.release_request("b")  # leaks
+        exp.force_flush(timeout_millis=5000)
+        assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
+        got = rx.request_spans()
+        assert set(got) == {"a", "b"}  # c is still running: its span is open
+        span_a, attrs_a = got["a"]
+        span_b, attrs_b = got["b"]
+        assert attrs_a["kv.decode_steps"] == 2 and attrs_a["kv.allocated_len"] == 8
+        assert attrs_b["kv.violations"] == 1 and attrs_b["kv.pages.held_at_release"] == 3
+        assert span_b.status.code == span_b.status.STATUS_CODE_ERROR
+        assert span_a.status.code == span_a.status.STATUS_CODE_UNSET
+        assert [e.name for e in span_b.events] == ["kv.prefill", "kv.violation", "kv.release"]
+        (leak,) = w.violations
+        assert leak.trace_id == span_b.trace_id.hex()
+        assert len(span_a.span_id) == 8 and span_a.trace_id != span_b.trace_id
+        with rx.lock:
+            services = {res.get("service.name") for res, _ in rx.spans}
+            encodings = set(rx.encodings)
+        assert services == {service}
+        assert encodings == ({"gzip"} if how == "env-gzip" else {""})
+
+        # Shutdown ends the spans still open and exports them.
+        exp.shutdown(timeout_millis=5000)
+        assert rx.wait_for(lambda r: "c" in r.request_spans())
+        _, attrs_c = rx.request_spans()["c"]
+        assert attrs_c["kv.open_at_shutdown"] is True and attrs_c["kv.committed_len"] == 5
+    finally:
+        rx.close()
+
+
+# -- 4. collector down or slow: the allocator never waits ---------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _round(w, k: int, outs: list, durations: list) -> None:
+    """One scheduling round: four requests prefill, decode six steps, finish. Times every wrapped call."""
+
+    def timed(fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        durations.append(time.perf_counter() - t0)
+        if out is not None:
+            outs.append(out.clone())
+
+    reqs = [Req(f"r{k}.{i}") for i in range(4)]
+    lens = [5, 7, 9, 3]
+    rids = [r.rid for r in reqs]
+    with w.batch(rids):
+        t0 = time.perf_counter()
+        out = w.alloc_extend(*extend_args(reqs, lens))
+        durations.append(time.perf_counter() - t0)
+    outs.append(out.clone())
+    split_extend(reqs, lens, out)
+    timed(w.step)
+    for _ in range(6):
+        with w.batch(rids):
+            t0 = time.perf_counter()
+            out = w.alloc_decode(*decode_args(reqs))
+            durations.append(time.perf_counter() - t0)
+        outs.append(out.clone())
+        for r, s in zip(reqs, out.tolist()):
+            r.row.append(s)
+        timed(w.step)
+    for r in reqs:
+        timed(w.free, t(r.row))
+        timed(w.release_request, r.rid)
+    timed(w.step)
+
+
+@pytest.mark.parametrize("collector", ["down", "slow"])
+def test_collector_down_or_slow_never_blocks_the_allocator(otel_env, caplog, collector):
+    caplog.set_level(logging.WARNING, logger="opentelemetry")
+    rx = Receiver(delay=2.0) if collector == "slow" else None
+    endpoint = rx.base if rx else f"http://127.0.0.1:{_free_port()}"
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.3")
+    otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")
+    try:
+        w = paged(256)
+        exp = OtelExporter(w, endpoint=endpoint)
+
+        def network_was_busy() -> bool:
+            if rx is not None:  # an export has been hanging on the receiver for a while
+                with rx.lock:
+                    return rx.first_hit is not None and time.monotonic() - rx.first_hit > 0.5
+            failures = [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+            return len(failures) >= 2  # export attempts failed while the loop ran
+
+        outs, durations = [], []
+        start = time.perf_counter()
+        rounds = 0
+        while rounds < 20 or time.perf_counter() - start < 0.5 or not network_was_busy():
+            _round(w, rounds, outs, durations)
+            rounds += 1
+            assert time.perf_counter() - start < 15, "the exporter never reached the network"
+        with_exporter = time.perf_counter() - start
+
+        w2 = paged(256)
+        outs2, durations2 = [], []
+        start = time.perf_counter()
+        for k in range(rounds):
+            _round(w2, k, outs2, durations2)
+        bare = time.perf_counter() - start
+
+        assert len(outs) == len(outs2) and all(torch.equal(x, y) for x, y in zip(outs, outs2))
+        assert allocator_state(w) == allocator_state(w2)
+        print(
+            f"{collector}: {rounds} rounds, {len(durations)} calls: with exporter {with_exporter:.3f}s "
+            f"(max call {max(durations) * 1e3:.2f} ms), bare {bare:.3f}s (max call {max(durations2) * 1e3:.2f} ms)"
+        )
+        assert max(durations) < 0.05, "an allocator call waited (on the network?)"
+        assert max(durations2) < 0.05
+        assert w.bus.dropped["otel"] == 0 and exp.errors == 0
+
+        t0 = time.perf_counter()
+        exp.shutdown(timeout_millis=300)
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        if rx is not None:
+            rx.close()

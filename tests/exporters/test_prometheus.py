@@ -1,0 +1,533 @@
+"""exporters.prometheus against a real wrapped allocator, promtool, a real Prometheus server and real processes.
+
+The scripted scenario runs on an SWA allocator (two pools, page size 4, 16 full pages and 8 SWA pages, window 8);
+every expected value is derived by hand in ``scenario``'s comments. Tests that need the ``promtool`` or
+``prometheus`` binaries skip when they are missing, and fail instead when CI == "true".
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+from exporters.prometheus import PrometheusExporter
+from instrumented_alloc import INVARIANTS, InstrumentedAllocator, stats
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from tests.engine_model import Req, extend_args, split_extend, t
+
+REPO = Path(__file__).resolve().parents[2]
+PS = 4
+FULL_PAGES, SWA_PAGES = 16, 8
+CAPACITY = {"full": FULL_PAGES + 1, "swa": SWA_PAGES + 1}  # page 0 (reserved) included
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CONST = {"engine": "e0", "tp_rank": "0"}
+
+
+def need_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} is not installed (Debian: apt-get install prometheus)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_alloc(**kw):
+    inner = SWATokenToKVPoolAllocator(FULL_PAGES * PS, SWA_PAGES * PS, PS, torch.float16, "cpu")
+    return InstrumentedAllocator(inner, mode="record", sliding_window=8, **kw)
+
+
+def extend(w, reqs, lens):
+    with w.batch([r.rid for r in reqs]):
+        out = w.alloc_extend(*extend_args(reqs, lens))
+    if out is not None:
+        split_extend(reqs, lens, out)
+    return out
+
+
+def scenario(w) -> None:
+    """A few requests, an SWA eviction, a double free, a release with a leak, an allocation failure.
+
+    Pages are handed out from the head of the free list in order, freed pages go back to the head.
+    """
+    a, b, d = Req("req-a"), Req("req-b"), Req("req-d")
+    extend(w, [a, b], [14, 6])  # full: a 1-4, b 5-6 (6 pages); swa: a 1-4, b 5-6 (6 pages)
+    w.step()
+    w.free_swa_segment(t(a.row[0:4]), start_pos=0)  # swa page 1 back (1 page freed)
+    w.ledger[a.rid].swa_evicted_seqlen = 4  # 4 tokens evicted (window 8, seq 14: up to 6 allowed)
+    extend(w, [d], [10])  # full: d 7-9; swa: d 1, 7, 8 (3 pages each); the swa pool is now full
+    w.step()
+    w.free(t(b.row))  # full 5-6 and swa 5-6 freed (2 + 2 pages)
+    w.free(t(b.row))  # double_free of req-b's pages (named by the pages' last owner): full 5-6 listed twice
+    w.release_request(b.rid)  # owns nothing: no leak; peak 2 pages
+    w.step()
+    w.release_request(a.rid)  # request_leak: still owns full 1-4 and swa 2-4 (trace id -> exemplar); peak 4
+    c = Req("req-c")
+    assert extend(w, [c], [100]) is None  # 25 pages: AllocFailed(op=alloc_extend, pool=swa, the one shortest)
+    w.step()
+
+
+def sample(reg, name, **labels):
+    return reg.get_sample_value(name, {**CONST, **labels})
+
+
+@pytest.fixture
+def run():
+    """A wrapped allocator with an exporter (const labels CONST) after ``scenario``; closes the exporter."""
+    made = []
+
+    def make(**exporter_kw):
+        w = make_alloc()
+        w.trace_id_for = lambda rid: TRACE
+        exp = PrometheusExporter(w, const_labels=CONST, multiprocess=False, **exporter_kw)
+        made.append(exp)
+        scenario(w)
+        return w, exp
+
+    yield make
+    for exp in made:
+        exp.close()
+
+
+# -- 1. exact values -----------------------------------------------------------------------------------------------
+def test_values_after_scripted_scenario(run):
+    w, exp = run()
+    reg = exp.registry
+    pages = {
+        pool: {s: sample(reg, "kvalloc_pages", pool=pool, state=s) for s in stats.STATES} for pool in ("full", "swa")
+    }
+    # full: a 1-4 (leaked) + d 7-9 used, b's 5-6 and 10-16 free; swa: a 2-4 + d 1,7,8 used, b's 5-6 free.
+    assert pages["full"] == {"free": 9, "used": 7, "staged": 0, "reserved": 1}
+    assert pages["swa"] == {"free": 2, "used": 6, "staged": 0, "reserved": 1}
+    for pool, cap in CAPACITY.items():
+        assert sum(pages[pool].values()) == cap
+
+    expected_violations = dict.fromkeys(INVARIANTS, 0.0) | {"double_free": 1.0, "request_leak": 1.0}
+    got = {inv: sample(reg, "kvalloc_invariant_violations_total", invariant=inv) for inv in INVARIANTS}
+    assert got == expected_violations
+    assert dict(w.violation_counts) == {"double_free": 1, "request_leak": 1}
+
+    assert sample(reg, "kvalloc_alloc_failures_total", pool="swa", op="alloc_extend") == 1
+    assert sample(reg, "kvalloc_alloc_failures_total", pool="full", op="alloc_extend") == 0
+    assert sample(reg, "kvalloc_alloc_failures_total", pool="full", op="alloc_decode") == 0
+    assert sample(reg, "kvalloc_pages_allocated_total", pool="full") == 6 + 3
+    assert sample(reg, "kvalloc_pages_allocated_total", pool="swa") == 6 + 3
+    assert sample(reg, "kvalloc_pages_freed_total", pool="full") == 2 + 2  # the double free's entries count
+    assert sample(reg, "kvalloc_pages_freed_total", pool="swa") == 1 + 2
+    assert sample(reg, "kvalloc_swa_evicted_tokens_total") == 4
+    assert sample(reg, "kvalloc_events_dropped_total", sink="prometheus") == 0
+
+    assert sample(reg, "kvalloc_page_size_tokens") == PS
+    assert sample(reg, "kvalloc_requests_live") == 1  # d; a was released (leaking) and is no longer live
+    assert sample(reg, "kvalloc_swa_outside_window_tokens") == 10 - 8  # d: committed 10, window 8, evicted 0
+
+    fig = stats.figures(w.snapshot())
+    for pool in ("full", "swa"):
+        pf = fig["pools"][pool]
+        assert sample(reg, "kvalloc_internal_fragmentation_ratio", pool=pool) == pf["internal_fragmentation"]
+        assert sample(reg, "kvalloc_external_fragmentation_ratio", pool=pool) == pf["external_fragmentation"]
+        assert sample(reg, "kvalloc_free_runs", pool=pool) == pf["free_run_count"]
+        assert sample(reg, "kvalloc_largest_free_run_pages", pool=pool) == pf["largest_free_run"]
+    # By hand: d holds 3 pages = 12 slots for 10 committed tokens in both pools.
+    assert sample(reg, "kvalloc_internal_fragmentation_ratio", pool="full") == pytest.approx(1 - 10 / 12)
+    # full free runs: 5-6 and 10-16 -> 2 runs, largest 7 of 9 free; swa: 5-6 -> 1 run, nothing scattered.
+    assert sample(reg, "kvalloc_free_runs", pool="full") == 2
+    assert sample(reg, "kvalloc_largest_free_run_pages", pool="full") == 7
+    assert sample(reg, "kvalloc_external_fragmentation_ratio", pool="full") == pytest.approx(1 - 7 / 9)
+    assert sample(reg, "kvalloc_external_fragmentation_ratio", pool="swa") == 0
+
+    # Peak pages at release: b 2, a 4.
+    assert sample(reg, "kvalloc_request_pages_count", pool="full") == 2
+    assert sample(reg, "kvalloc_request_pages_sum", pool="full") == 6
+    assert sample(reg, "kvalloc_request_pages_bucket", pool="full", le="2.0") == 1
+    # One duration observation per inner call: two extends (the refused one emits no Alloc), two frees, one
+    # SWA segment free.
+    assert sample(reg, "kvalloc_op_duration_seconds_count", op="alloc_extend") == 2
+    assert sample(reg, "kvalloc_op_duration_seconds_count", op="free") == 2
+    assert sample(reg, "kvalloc_op_duration_seconds_count", op="free_swa_segment") == 1
+
+
+def test_gauges_are_computed_at_scrape_time_not_per_call():
+    w = make_alloc()
+    calls = []
+    real = w.snapshot
+
+    def counting_snapshot():
+        calls.append(1)
+        return real()
+
+    object.__setattr__(w, "snapshot", counting_snapshot)
+    exp = PrometheusExporter(w, multiprocess=False)
+    try:
+        scenario(w)
+        assert calls == []  # nothing per allocator call nor per step
+        assert exp.registry.get_sample_value("kvalloc_pages", {"pool": "full", "state": "used"}) == 7
+        assert len(calls) == 1  # one snapshot per scrape
+    finally:
+        exp.close()
+
+
+def test_violation_exemplar_carries_trace_id(run):
+    _, exp = run()
+    text = generate_openmetrics(exp.registry).decode()
+    leak = [ln for ln in text.splitlines() if ln.startswith("kvalloc_invariant_violations_total{")]
+    leak = [ln for ln in leak if 'invariant="request_leak"' in ln]
+    assert len(leak) == 1 and f'# {{trace_id="{TRACE}"}} 1.0' in leak[0], leak
+    # The double free is named after req-b, the pages' last owner: its trace id is the exemplar too.
+    double = [ln for ln in text.splitlines() if 'invariant="double_free"' in ln and "_total" in ln]
+    assert len(double) == 1 and f'# {{trace_id="{TRACE}"}} 1.0' in double[0], double
+
+
+# -- 2. promtool -------------------------------------------------------------------------------------------------
+def test_promtool_check_metrics(run):
+    promtool = need_binary("promtool")
+    _, exp = run()
+    text = generate_latest(exp.registry)
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert res.returncode == 0, (res.stdout + res.stderr).decode()
+
+
+# -- 3. a real Prometheus ----------------------------------------------------------------------------------------
+@pytest.fixture
+def prometheus_server(tmp_path):
+    """Start ``prometheus`` scraping 127.0.0.1:<target> every second; returns its API base URL."""
+    binary = need_binary("prometheus")
+    procs = []
+
+    def start(target_port: int) -> str:
+        port = free_port()
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: kvalloc\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
+        )
+        log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 (closed by the finalizer)
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=exemplar-storage",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append((proc, log))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc, log in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def api(base: str, path: str, **params):
+    url = f"{base}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def query(base: str, promql: str) -> list:
+    return api(base, "/api/v1/query", query=promql)["result"]
+
+
+def test_real_prometheus_scrapes_served_port(run, prometheus_server, tmp_path):
+    _, exp = run()
+    port = exp.serve()
+    base = prometheus_server(port)
+    deadline = time.monotonic() + 30
+    result = []
+    while time.monotonic() < deadline:
+        try:
+            result = query(base, "kvalloc_pages")
+        except OSError:  # not listening yet
+            result = []
+        if result:
+            break
+        time.sleep(0.25)
+    if not result:
+        log = (tmp_path / "prometheus.log").read_text(errors="replace")[-3000:]
+        pytest.fail(f"Prometheus never scraped kvalloc_pages within 30 s; its log:\n{log}")
+
+    full = query(base, 'sum(kvalloc_pages{pool="full"})')
+    assert float(full[0]["value"][1]) == CAPACITY["full"]
+    swa = query(base, 'sum by (pool) (kvalloc_pages{pool="swa"})')
+    assert float(swa[0]["value"][1]) == CAPACITY["swa"]
+    double = query(base, 'kvalloc_invariant_violations_total{invariant="double_free"}')
+    assert len(double) == 1 and float(double[0]["value"][1]) == 1
+    assert double[0]["metric"]["engine"] == "e0" and double[0]["metric"]["tp_rank"] == "0"
+    assert len(query(base, "kvalloc_invariant_violations_total")) == len(INVARIANTS)
+    used = query(base, 'kvalloc_pages{pool="full",state="used"}')
+    assert float(used[0]["value"][1]) == 7
+    # Prometheus asks for OpenMetrics: the violation's trace id arrives as a stored exemplar.
+    now = time.time()
+    ex = api(
+        base,
+        "/api/v1/query_exemplars",
+        query='kvalloc_invariant_violations_total{invariant="request_leak"}',
+        start=now - 300,
+        end=now + 60,
+    )
+    assert [e["labels"]["trace_id"] for series in ex for e in series["exemplars"]] == [TRACE]
+
+
+def test_serve_negotiates_openmetrics_and_default_addr(run):
+    _, exp = run()
+    port = exp.serve()
+    url = f"http://127.0.0.1:{port}/metrics"
+    req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        body = r.read().decode()
+    assert f'trace_id="{TRACE}"' in body and body.rstrip().endswith("# EOF")
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        assert 'kvalloc_pages{engine="e0",pool="full",state="used",tp_rank="0"} 7.0' in r.read().decode()
+    assert exp._httpd.server_address[0] == "127.0.0.1"  # loopback unless told otherwise
+
+
+# -- 4. multiprocess -----------------------------------------------------------------------------------------------
+CHILD = r"""
+import json, os, sys, urllib.request
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from tests.engine_model import Req, extend_args, split_extend, t
+from exporters.prometheus import PrometheusExporter
+
+rank = int(sys.argv[1])
+now = [100.0]
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+exp = PrometheusExporter(w, const_labels={"engine": "e0", "tp_rank": rank}, refresh_interval=5.0, clock=lambda: now[0])
+labels = {"engine": "e0", "tp_rank": str(rank), "pool": "full", "state": "used"}
+out = {"pid": os.getpid(), "multiprocess": exp.multiprocess}
+reqs = [Req(f"r{rank}-{i}") for i in range(rank + 2)]  # rank + 2 requests of 2 pages each
+with w.batch([r.rid for r in reqs]):
+    split_extend(reqs, [6] * len(reqs), w.alloc_extend(*extend_args(reqs, [6] * len(reqs))))
+w.step()  # the clock has not moved since construction: rate-limited, no refresh
+out["used_rate_limited"] = exp.registry.get_sample_value("kvalloc_pages", labels)
+now[0] += 5.0
+w.step()  # refresh_interval elapsed: refreshed
+out["used_refreshed"] = exp.registry.get_sample_value("kvalloc_pages", labels)
+w.free(t(reqs[0].row))
+w.free(t(reqs[0].row))  # one double free per process
+now[0] += 5.0
+w.step()
+if rank == 0:
+    port = exp.serve()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        out["served"] = r.read().decode()
+exp.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _mp_samples(path) -> dict:
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(path))
+    out = {}
+    for fam in reg.collect():
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _find(samples: dict, name: str, **labels) -> dict:
+    """{labels: value} of the samples of ``name`` whose labels include ``labels``."""
+    out = {}
+    for (n, lab), value in samples.items():
+        if n == name and labels.items() <= dict(lab).items():
+            out[lab] = value
+    return out
+
+
+def test_multiprocess_two_ranks_aggregate(tmp_path):
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir), "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for rank in (0, 1)
+    ]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, stderr.decode()[-3000:]
+        line = [ln for ln in stdout.decode().splitlines() if ln.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT ") :]))
+
+    for rank, r in enumerate(results):
+        assert r["multiprocess"] is True  # chosen from the environment, in the constructor
+        assert r["used_rate_limited"] == 0  # the construction-time refresh; the first step was rate-limited
+        assert r["used_refreshed"] == 2 * (rank + 2)
+    served = results[0]["served"]
+    assert 'kvalloc_pages{engine="e0",pool="full",state="used",tp_rank="0"}' in served
+
+    s = _mp_samples(mp_dir)
+    used = _find(s, "kvalloc_pages", pool="full", state="used")
+    by_rank = {dict(lab)["tp_rank"]: v for lab, v in used.items()}
+    assert by_rank == {"0": 2.0, "1": 4.0}  # after the double free of request 0: (rank + 1) * 2 pages
+    assert all("pid" not in dict(lab) for lab in used)  # livesum: per-process series are merged
+    cap = _find(s, "kvalloc_pages", pool="full")
+    assert sum(cap.values()) == 2 * (16 + 1)  # both ranks' states sum to their capacity
+    assert sum(_find(s, "kvalloc_invariant_violations_total", invariant="double_free").values()) == 2
+    assert len(_find(s, "kvalloc_invariant_violations_total", tp_rank="1")) == len(INVARIANTS)
+    assert sum(_find(s, "kvalloc_pages_allocated_total", pool="full").values()) == 2 * 2 + 2 * 3
+    assert sum(_find(s, "kvalloc_pages_freed_total", pool="full").values()) == 4 + 4
+    assert _find(s, "kvalloc_page_size_tokens", tp_rank="1") == {(("engine", "e0"), ("tp_rank", "1")): 4.0}
+    assert _find(s, "kvalloc_events_dropped_total", sink="prometheus", tp_rank="0")
+
+    # A dead rank: its live gauges leave the aggregate, its counters keep counting into the sums.
+    mark_process_dead(results[1]["pid"], str(mp_dir))
+    s = _mp_samples(mp_dir)
+    assert {dict(lab)["tp_rank"] for lab in _find(s, "kvalloc_pages")} == {"0"}
+    assert sum(_find(s, "kvalloc_invariant_violations_total", invariant="double_free").values()) == 2
+
+
+def test_multiprocess_needs_the_directory(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    w = make_alloc()
+    with pytest.raises(ValueError, match="PROMETHEUS_MULTIPROC_DIR"):
+        PrometheusExporter(w, multiprocess=True)
+    assert w.bus.sinks == ()  # nothing subscribed by a failed constructor
+    exp = PrometheusExporter(w)  # the default reads the (unset) variable: single process
+    assert exp.multiprocess is False
+    exp.close()
+
+
+# -- 5. failures never reach the allocator's caller -----------------------------------------------------------------
+def test_port_already_taken_names_the_port(run):
+    _, exp = run()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"metrics port {port} on 127.0.0.1 is already in use") as info:
+            exp.serve(port=port)
+        assert info.value.errno == errno.EADDRINUSE
+    assert exp.serve(port=0) > 0  # still usable afterwards
+
+
+class _Tap:
+    name = "tap"
+
+    def __init__(self):
+        self.batches = []
+
+    def __call__(self, batch):
+        self.batches.append(list(batch))
+
+
+class _Boom:
+    def labels(self, *a):
+        raise RuntimeError("boom")
+
+
+def test_failing_sink_never_reaches_the_caller():
+    w = PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu")
+    bare = PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu")
+    w = InstrumentedAllocator(w, mode="record")
+    exp = PrometheusExporter(w, multiprocess=False)
+    tap = _Tap()
+    w.subscribe(tap)
+    try:
+        exp._op_duration = _Boom()  # the duration histogram raises inside the sink
+        a = Req("a")
+        args = extend_args([a], [6])
+        with w.batch(["a"]):
+            out = w.alloc_extend(*args)  # no exception
+        assert torch.equal(out, bare.alloc_extend(*args))
+        n_events = len(tap.batches[-1])
+        reg = exp.registry
+        assert reg.get_sample_value("kvalloc_events_dropped_total", {"sink": "prometheus"}) == n_events
+        assert reg.get_sample_value("kvalloc_events_dropped_total", {"sink": "tap"}) == 0
+        assert exp.sink_errors == 1 and "boom" in exp.last_error
+        assert w.bus.errors == {}  # caught inside the exporter, reported to the bus as refused
+        # The collector keeps working, and the allocator too.
+        assert reg.get_sample_value("kvalloc_pages", {"pool": "full", "state": "used"}) == 2
+        w.free(t(a.row))
+    finally:
+        exp.close()
+
+
+def test_failing_collector_keeps_the_scrape_alive(run, monkeypatch, caplog):
+    w, exp = run()
+
+    def broken():
+        raise RuntimeError("snapshot broke")
+
+    object.__setattr__(w, "snapshot", broken)
+    port = exp.serve()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert r.status == 200
+        body = r.read().decode()
+    assert "kvalloc_pages{" not in body  # gauges left out, not wrong
+    assert 'kvalloc_invariant_violations_total{engine="e0",invariant="double_free",tp_rank="0"} 1.0' in body
+    assert "kvalloc_events_dropped_total" in body
+    assert "snapshot broke" in exp.last_error
+
+
+def test_close_detaches(run):
+    w, exp = run()
+    exp.serve()
+    exp.close()
+    assert exp.sink not in w.bus.sinks
+    assert list(exp.registry.collect()) == []
+    exp.close()  # idempotent
+
+
+def test_const_labels_cannot_shadow_catalog_labels():
+    w = make_alloc()
+    for bad in ({"pool": "x"}, {"invariant": "x"}, {"1x": "y"}, {"__x": "y"}):
+        with pytest.raises(ValueError, match="const_labels"):
+            PrometheusExporter(w, const_labels=bad, multiprocess=False)
+
+
+# -- 6. label cardinality ----------------------------------------------------------------------------------------
+def test_no_label_is_a_request_id(run):
+    _, exp = run()
+    rids = {"req-a", "req-b", "req-c", "req-d"}
+    allowed = {"pool", "state", "invariant", "op", "sink", "le", *CONST}
+    n = 0
+    for fam in exp.registry.collect():
+        assert fam.name.startswith("kvalloc_")
+        for s in fam.samples:
+            n += 1
+            assert set(s.labels) <= allowed, (s.name, s.labels)
+            for v in s.labels.values():
+                assert not any(rid in v for rid in rids), (s.name, s.labels)
+    assert n > 100

@@ -1,0 +1,463 @@
+"""The event bus (delivery, refusal and failure accounting) and the events a wrapped allocator publishes:
+exact types, order and fields of a scripted scenario, gap-free ``seq``, ``step`` at emission, SWA eviction
+events, and that no sink means no events at all and a failing sink never changes what the caller sees.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from instrumented_alloc import InstrumentedAllocator, InvariantViolation
+from instrumented_alloc import events as ev
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from instrumented_alloc.events import EventBus, sink_name
+from tests.engine_model import Req, allocator_state, decode_args, extend_args, split_extend, t
+
+F16 = torch.float16
+PS = 4
+
+
+def paged():
+    return PagedTokenToKVPoolAllocator(64, PS, F16, "cpu", None, False)  # 16 pages
+
+
+def swa():
+    return SWATokenToKVPoolAllocator(64, 64, PS, F16, "cpu", None, False)
+
+
+def counting_clock(start: float = 1000.0):
+    c = itertools.count()
+    return lambda: start + next(c)
+
+
+class Collector:
+    """A sink that keeps every batch, and the wrapper's step_count when it was delivered."""
+
+    name = "collector"
+
+    def __init__(self):
+        self.batches: list[list] = []
+        self.steps: list[int] = []
+        self.alloc = None
+
+    def __call__(self, batch):
+        self.batches.append(list(batch))
+        self.steps.append(self.alloc.step_count if self.alloc is not None else -1)
+
+    @property
+    def events(self) -> list:
+        return [e for b in self.batches for e in b]
+
+
+def _ev(seq=1, step=0):
+    return ev.StepBoundary(seq=seq, ts=0.0, step=step)
+
+
+# -- EventBus ----------------------------------------------------------------------------------------------------
+def test_bus_raising_sink_is_dropped_counted_and_never_propagates():
+    got = []
+
+    class Bad:
+        name = "bad"
+
+        def __call__(self, batch):
+            raise RuntimeError("boom")
+
+    def good(batch):
+        got.append(list(batch))
+
+    bus = EventBus([Bad(), good])
+    assert bus.active is True
+    assert bus.dropped == {"bad": 0, "good": 0}
+    batch = [_ev(1), _ev(2), _ev(3)]
+    bus.deliver(batch)  # no exception
+    assert bus.dropped == {"bad": 3, "good": 0}
+    assert bus.errors == {"bad": "RuntimeError: boom"}
+    assert got == [batch]  # a later sink still gets the batch
+    bus.deliver([_ev(4)])
+    assert bus.dropped["bad"] == 4
+
+
+def test_bus_refusing_sink_counted_without_error_text():
+    bus = EventBus()
+
+    def refuse(batch):
+        return False
+
+    bus.subscribe(refuse)
+    bus.deliver([_ev(1), _ev(2)])
+    assert bus.dropped == {"refuse": 2}
+    assert bus.errors == {}
+
+
+@pytest.mark.parametrize("answer", [None, True])
+def test_bus_none_or_true_is_accepted(answer):
+    calls = []
+
+    def sink(batch):
+        calls.append(len(batch))
+        return answer
+
+    bus = EventBus([sink])
+    bus.deliver([_ev(1), _ev(2)])
+    assert calls == [2]
+    assert bus.dropped == {"sink": 0}
+    assert bus.errors == {}
+
+
+def test_bus_empty_batch_not_delivered():
+    calls = []
+    bus = EventBus([calls.append])
+    bus.deliver([])
+    assert calls == []
+
+
+def test_bus_subscribe_unsubscribe_toggles_active():
+    bus = EventBus()
+    assert bus.active is False and bus.sinks == ()
+
+    def a(batch):
+        return None
+
+    def b(batch):
+        return None
+
+    bus.subscribe(a)
+    bus.subscribe(b)
+    assert bus.active is True and bus.sinks == (a, b)
+    bus.unsubscribe(a)
+    assert bus.active is True and bus.sinks == (b,)
+    bus.unsubscribe(b)
+    assert bus.active is False and bus.sinks == ()
+    with pytest.raises(ValueError):
+        bus.unsubscribe(b)
+
+
+def test_sink_name():
+    class Named:
+        name = "exporter"
+
+        def __call__(self, batch):
+            return None
+
+    class Plain:
+        def __call__(self, batch):
+            return None
+
+    def fn(batch):
+        return None
+
+    assert sink_name(Named()) == "exporter"
+    assert sink_name(Plain()) == "Plain"
+    assert sink_name(fn) == "fn"
+    assert sink_name(lambda b: None) == "<lambda>"
+
+
+# -- no sink, no events ------------------------------------------------------------------------------------------
+def _shadow_deltas(w):
+    return [p.shadow.deltas for p in w._w_pools.values()]
+
+
+def _scenario(w):
+    a, b = Req("a"), Req("b")
+    with w.batch(["a", "b"]):
+        split_extend([a, b], [8, 9], w.alloc_extend(*extend_args([a, b], [8, 9])))
+    with w.batch(["a", "b"]):
+        out = w.alloc_decode(*decode_args([a, b]))
+    for r, s in zip((a, b), out.tolist()):
+        r.row.append(s)
+    return a, b
+
+
+def test_no_sinks_publishes_nothing_and_collects_no_deltas():
+    for make in (paged, swa):
+        w = InstrumentedAllocator(make(), mode="record", sliding_window=8)
+        assert w.bus.active is False
+        assert _shadow_deltas(w) == [None] * len(w.pools)
+        a, _b = _scenario(w)
+        w.free(t(a.row))
+        w.release_request("a")
+        w.ledger["b"].kv_committed_len = 1
+        w.free(t(a.row))  # a double free: a violation, still no event
+        w.step()
+        assert [v.invariant for v in w.violations] == ["double_free"]
+        assert w._w_events == []
+        assert _shadow_deltas(w) == [None] * len(w.pools)
+        # Nothing was built while no one listened: the first event published afterwards has seq 1.
+        c = Collector()
+        w.subscribe(c)
+        w.step()
+        assert [(type(e).__name__, e.seq, e.step) for e in c.events] == [("StepBoundary", 1, 2)]
+
+
+def test_subscribe_unsubscribe_toggles_wrapper_collection():
+    w = InstrumentedAllocator(swa(), mode="record")
+    c1, c2 = Collector(), Collector()
+    w.subscribe(c1)
+    assert w.bus.active is True
+    assert _shadow_deltas(w) == [[], []]
+    w.subscribe(c2)
+    w.unsubscribe(c1)
+    assert w.bus.active is True and _shadow_deltas(w) == [[], []]
+    w.unsubscribe(c2)
+    assert w.bus.active is False and _shadow_deltas(w) == [None, None]
+    _scenario(w)
+    w.step()
+    assert c1.batches == [] and c2.batches == []
+    w.subscribe(c1)
+    w.step()
+    assert [type(e).__name__ for e in c1.events] == ["StepBoundary"]  # no stale page deltas from before
+    assert c2.batches == []
+
+
+# -- the scripted scenario ---------------------------------------------------------------------------------------
+def test_paged_scenario_exact_events():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[c], clock=counting_clock())
+    c.alloc = w
+    a, b = _scenario(w)  # a: 8 tokens (2 pages) then decode opens page 3; b: 9 tokens (3 pages) + 1 in place
+    assert a.row[:4] == [4, 5, 6, 7] and b.row[:4] == [12, 13, 14, 15]
+    w.step()
+    w.free(t(a.row))
+    w.release_request("a")
+    w.step()
+
+    events = c.events
+    assert [type(e).__name__ for e in events] == [
+        "LedgerUpdate",
+        "Alloc",
+        "PageUpdate",
+        "LedgerUpdate",
+        "Alloc",
+        "PageUpdate",
+        "StepBoundary",
+        "Free",
+        "LedgerUpdate",
+        "PageUpdate",
+        "RequestReleased",
+        "StepBoundary",
+    ]
+    # One batch per call, in call order.
+    assert [len(b_) for b_ in c.batches] == [3, 3, 1, 3, 1, 1]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    # step at emission == the wrapper's step_count when the batch was delivered.
+    for batch, step in zip(c.batches, c.steps):
+        assert {e.step for e in batch} == {step}
+    assert c.steps == [0, 0, 1, 1, 1, 2]
+    ts = [e.ts for e in events]
+    assert ts == sorted(ts) and min(ts) >= 1000.0  # the injected clock
+
+    lu, al, pu = events[0:3]
+    assert (lu.op, lu.rids, lu.slots.tolist()) == ("alloc_extend", ("a", "b"), [0, 1])
+    assert (lu.allocated.tolist(), lu.committed.tolist(), lu.evicted.tolist()) == ([8, 12], [8, 9], [0, 0])
+    assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_extend", "full", 17, 5, ("a", "b"))
+    assert al.duration > 0
+    assert (pu.op, pu.pool) == ("alloc_extend", "full")
+    assert pu.pages.tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5]
+    assert pu.owners.tolist() == [0] * 8 + [1] * 9
+
+    lu, al, pu, sb = events[3:7]
+    assert (lu.op, lu.rids, lu.slots.tolist()) == ("alloc_decode", ("a", "b"), [0, 1])
+    assert (lu.allocated.tolist(), lu.committed.tolist(), lu.evicted.tolist()) == ([12, 12], [9, 10], [0, 0])
+    assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_decode", "full", 2, 1, ("a", "b"))
+    assert (pu.op, pu.pool, pu.pages.tolist(), pu.owners.tolist()) == ("alloc_decode", "full", [6, 5], [0, 1])
+    assert (a.row[-1], b.row[-1]) == (24, 21)
+    assert sb.available == {"full": 10}
+
+    fr, lu, pu, rr, sb = events[7:12]
+    assert (fr.op, fr.pool, fr.n_pages, fr.rids) == ("free", "full", 3, ("a",))
+    assert (lu.op, lu.rids, lu.slots.tolist()) == ("free", ("a",), [0])
+    assert (lu.allocated.tolist(), lu.committed.tolist(), lu.evicted.tolist()) == ([0], [0], [0])
+    assert pu.pool == "full"
+    assert sorted(pu.pages.tolist()) == [1, 2, 6] and pu.owners.tolist() == [-6, -6, -6]
+    assert (rr.rid, rr.pages_held, rr.pages_peak) == ("a", 0, 3)
+    assert sb.available == {"full": 13}
+    assert list(w.violations) == []
+
+
+def test_page_update_of_a_free_names_the_free():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[c])
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [5], w.alloc_extend(*extend_args([a], [5])))
+    w.free(t(a.row))
+    (pu,) = [e for e in c.batches[-1] if isinstance(e, ev.PageUpdate)]
+    assert pu.op == "free"
+
+
+def test_free_duration_is_this_calls_duration():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[c], clock=counting_clock())
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [5], w.alloc_extend(*extend_args([a], [5])))
+    w.free(t(a.row))
+    (fr,) = [e for e in c.events if isinstance(e, ev.Free)]
+    assert fr.duration > 0  # the clock advanced during the call (Alloc.duration is > 0 for the same clock)
+    # Each Free carries its own call's duration, not the previous free's.
+    b = Req("b")
+    with w.batch(["b"]):
+        split_extend([b], [5], w.alloc_extend(*extend_args([b], [5])))
+    w.free(t(b.row))
+    first, second = [e for e in c.events if isinstance(e, ev.Free)]
+    # The counting clock ticks once at the start and once at the end of the inner call.
+    assert (first.duration, second.duration) == (1.0, 1.0)
+
+
+def test_alloc_failed_event():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[c])
+    r = Req("big")
+    with w.batch(["big"]):
+        assert w.alloc_extend(*extend_args([r], [65])) is None  # 17 pages, 16 exist
+    (failed,) = c.events
+    assert isinstance(failed, ev.AllocFailed)
+    assert (failed.op, failed.pool, failed.requested, failed.available, failed.rids) == (
+        "alloc_extend",
+        "full",
+        65,
+        64,
+        ("big",),
+    )
+    assert failed.seq == 1 and failed.step == 0
+
+
+def test_swa_events_both_pools_and_eviction_pair():
+    c = Collector()
+    w = InstrumentedAllocator(swa(), mode="record", sliding_window=8, sinks=[c], clock=counting_clock())
+    c.alloc = w
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [20], w.alloc_extend(*extend_args([a], [20])))
+    first = c.batches[-1]
+    assert [type(e).__name__ for e in first] == ["LedgerUpdate", "Alloc", "Alloc", "PageUpdate", "PageUpdate"]
+    allocs = [(e.op, e.pool, e.n_slots, e.n_pages, e.rids) for e in first if isinstance(e, ev.Alloc)]
+    assert allocs == [("alloc_extend", "full", 20, 5, ("a",)), ("alloc_extend", "swa", 20, 5, ("a",))]
+    assert [e.pool for e in first if isinstance(e, ev.PageUpdate)] == ["full", "swa"]
+
+    with w.batch(["a"]):
+        out = w.alloc_decode(*decode_args([a]))
+    a.row.append(int(out[0]))
+    dec = [(e.op, e.pool, e.n_slots, e.n_pages) for e in c.batches[-1] if isinstance(e, ev.Alloc)]
+    assert dec == [("alloc_decode", "full", 1, 1), ("alloc_decode", "swa", 1, 1)]
+
+    w.free_swa_segment(t(a.row[0:8]), start_pos=0)
+    fr = [e for e in c.batches[-1] if isinstance(e, ev.Free)]
+    assert [(e.op, e.pool, e.n_pages, e.rids) for e in fr] == [("free_swa_segment", "swa", 2, ("a",))]
+
+    w.ledger["a"].swa_evicted_seqlen = 8
+    batch = c.batches[-1]
+    assert [type(e).__name__ for e in batch] == ["LedgerWrite", "SwaEvict"]
+    lw, se = batch
+    assert (lw.rid, lw.field, lw.old, lw.new) == ("a", "swa_evicted_seqlen", 0, 8)
+    assert (se.rid, se.old, se.new, se.n_pages) == ("a", 0, 8, 2)
+    assert se.seq == lw.seq + 1 and lw.step == se.step == w.step_count == 0
+
+    n = len(c.batches)
+    w.ledger["a"].swa_evicted_seqlen = 8  # unchanged: no event
+    assert len(c.batches) == n
+    w.ledger["a"].kv_committed_len = 20  # another field: a LedgerWrite only
+    assert [(type(e).__name__, e.field, e.old, e.new) for e in c.batches[-1]] == [
+        ("LedgerWrite", "kv_committed_len", 21, 20)
+    ]
+    w.ledger["a"].swa_evicted_seqlen = 10  # rejected: a ViolationEvent, no LedgerWrite, no SwaEvict
+    assert [type(e).__name__ for e in c.batches[-1]] == ["ViolationEvent"]
+    assert c.batches[-1][0].violation.invariant == "swa_evicted_seqlen_page_aligned"
+
+    w.step()
+    (sb,) = c.batches[-1]
+    assert sb.step == 1 and sb.available == {"full": 16 - 6, "swa": 16 - 4}
+    events = c.events
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    for batch, step in zip(c.batches, c.steps):
+        assert {e.step for e in batch} == {step}
+
+
+# -- a failing sink never changes what the caller sees ------------------------------------------------------------
+def _drive(w, bare):
+    """The same engine calls on the wrapped allocator and a bare twin; returns every result pair."""
+    results = []
+
+    def both(name, *args, **kwargs):
+        rw = getattr(w, name)(*args, **kwargs)
+        rb = getattr(bare, name)(*args, **kwargs)
+        results.append((rw, rb))
+        return rw
+
+    reqs = [Req(f"r{i}") for i in range(4)]
+    with w.batch([r.rid for r in reqs]):
+        split_extend(reqs, [5, 8, 1, 12], both("alloc_extend", *extend_args(reqs, [5, 8, 1, 12])))
+    for _ in range(6):
+        with w.batch([r.rid for r in reqs]):
+            out = both("alloc_decode", *decode_args(reqs))
+        for r, s in zip(reqs, out.tolist()):
+            r.row.append(s)
+        w.step()
+    both("free_segment", t(reqs[3].row[8:]), start_pos=8)
+    del reqs[3].row[8:]
+    both("free_group_begin")
+    for r in reqs[:2]:
+        both("free", t(r.row))
+    both("free_group_end")
+    w.release_request("r0")
+    w.release_request("r1")
+    big = Req("big")
+    with w.batch(["big"]):
+        assert both("alloc_extend", *extend_args([big], [200])) is None
+    w.release_request("big")
+    w.step()
+    return results
+
+
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_raising_sink_never_changes_results(mode):
+    class Broken:
+        name = "broken"
+
+        def __call__(self, batch):
+            raise ValueError("sink is down")
+
+    c = Collector()
+    inner, bare = paged(), paged()
+    w = InstrumentedAllocator(inner, mode=mode, sinks=[Broken(), c])
+    results = _drive(w, bare)
+    for rw, rb in results:
+        assert (rw is None and rb is None) or torch.equal(rw, rb)
+    assert allocator_state(inner) == allocator_state(bare)
+    assert list(w.violations) == []
+    n_events = len(c.events)
+    assert n_events > 20
+    assert w.bus.dropped == {"broken": n_events, "collector": 0}
+    assert w.bus.errors == {"broken": "ValueError: sink is down"}
+
+
+def test_raising_sink_does_not_mask_an_invariant_violation():
+    def broken(batch):
+        raise RuntimeError("down")
+
+    w = InstrumentedAllocator(paged(), mode="raise", sinks=[broken])
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [5], w.alloc_extend(*extend_args([a], [5])))
+    w.free(t(a.row))
+    with pytest.raises(InvariantViolation) as info:
+        w.free(t(a.row))
+    assert info.value.invariant == "double_free"
+    assert w.bus.errors == {"broken": "RuntimeError: down"}
+    # alloc: LedgerUpdate, Alloc, PageUpdate; free: Free, LedgerUpdate, PageUpdate; double free: ViolationEvent.
+    assert w.bus.dropped == {"broken": 7}
+
+
+def test_refusing_sink_counts_every_event():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[lambda batch: False, c])
+    _scenario(w)
+    w.step()
+    assert w.bus.dropped == {"<lambda>": len(c.events), "collector": 0}
+    assert len(c.events) == 7
+    assert np.array_equal(c.events[0].slots, [0, 1])
