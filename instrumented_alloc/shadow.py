@@ -280,19 +280,23 @@ class PoolShadow:
         return bad
 
     def apply_free(self, plan) -> np.ndarray:
-        """Mirror the inner's free. Returns the owner slots (>= 0) of the pages that were in use."""
+        """Mirror the inner's free. Returns the distinct owner slots (>= 0) of the pages that were in use."""
         pages, vpages, prev, n_entries, dedup = plan
         owned_mask = prev >= 0
         owners = prev[owned_mask]
+        u = owners
         if owners.size:
             self.last_owner[vpages[owned_mask]] = owners
             self.last_generation[vpages[owned_mask]] = self._ledger.generation[owners]
             owned = self.owned
-            ledger = self._ledger
-            u, counts = np.unique(owners, return_counts=True)
+            first = owners[0]
+            if (owners == first).all():  # the usual case: one request's row
+                u, counts = owners[:1], np.array([owners.size])
+            else:
+                u, counts = np.unique(owners, return_counts=True)
             if self.name == "full":
                 # A request's peak footprint is counted in full-pool pages (the swa pool only shrinks it).
-                np.maximum.at(ledger.peak_pages, u, owned[u])
+                np.maximum.at(self._ledger.peak_pages, u, owned[u])
             owned[u] -= counts
         if self.in_group:
             (self.held_set if dedup else self.held_ids).append(pages)
@@ -302,7 +306,7 @@ class PoolShadow:
             if self.need_sort:
                 self.n_staged += n_entries
             self.expected_entries += n_entries
-        return owners
+        return u
 
     def group_begin(self) -> None:
         self.in_group = True

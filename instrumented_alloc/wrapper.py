@@ -1107,30 +1107,29 @@ class InstrumentedAllocator:
             raise
 
     def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
+        """Ledger and events after a free. ``touched``: (pool, distinct owner slots, entries) per pool."""
         led = self.ledger
         ps = self._w_ps
         slots_all = []
         for pool, owners, n_entries in touched:
             if owners.size:
-                slots = np.unique(owners)
-                slots_all.append(slots)
+                slots_all.append(owners)
                 if pool.name == "full":
                     # The request's allocated length follows its full-pool pages when they shrink.
-                    cap = led.owned["full"][slots] * ps
-                    led.allocated[slots] = np.minimum(led.allocated[slots], cap)
-                    led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
+                    cap = led.owned["full"][owners] * ps
+                    led.allocated[owners] = np.minimum(led.allocated[owners], cap)
+                    led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
             if self.bus.active:
-                rids = tuple(led.rid_of(int(s)) for s in np.unique(owners)) if owners.size else ()
                 self._emit(
                     ev.Free,
                     op=op,
                     pool=pool.name,
                     n_pages=int(n_entries),
-                    rids=rids,
+                    rids=tuple(led.rid_of(int(s)) for s in owners),
                     duration=duration,
                 )
         if slots_all:
-            slots = np.unique(np.concatenate(slots_all))
+            slots = slots_all[0] if len(slots_all) == 1 else np.unique(np.concatenate(slots_all))
             empty = np.ones(slots.size, bool)
             for arr in led.owned.values():
                 empty &= arr[slots] <= 0
