@@ -19,7 +19,8 @@ What is computed when
   counts it in ``alloc.bus.dropped["prometheus"]``.
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
 - Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
-  collector over ``alloc.snapshot()`` and ``stats.figures`` -- never per allocator call. The collector runs on
+  collector over ``alloc.snapshot(wait=False)`` (never waits for deferred device checks) and ``stats.figures``
+  -- never per allocator call. The collector runs on
   the HTTP server's thread; ``alloc.snapshot()`` takes the wrapper's lock briefly (an O(num_pages) copy of each
   pool's owner array), so a scrape delays the engine by about that copy. A failing collector is caught and
   logged: the gauge families are then left out of that scrape (absent, not wrong).
@@ -181,7 +182,7 @@ class _GaugeCollector:
     def collect(self):
         x = self._x
         try:
-            fams = x._gauge_families(stats.figures(x._alloc.snapshot()))
+            fams = x._gauge_families(stats.figures(x._alloc.snapshot(wait=False)))
         except Exception as exc:  # a scrape must never take the engine (or the HTTP server) down
             x._collect_failed(exc)
             fams = []
@@ -423,7 +424,7 @@ class PrometheusExporter:
             return
         try:
             self._last_refresh = self._clock()
-            fig = stats.figures(self._alloc.snapshot())
+            fig = stats.figures(self._alloc.snapshot(wait=False))
             for name, labels, value in self._gauge_values(fig):
                 self._gauges[name].labels(*self._const_values, *labels).set(float(value))
             for sink, n in list(self._alloc.bus.dropped.items()):

@@ -174,9 +174,9 @@ def test_gauges_are_computed_at_scrape_time_not_per_call():
     calls = []
     real = w.snapshot
 
-    def counting_snapshot():
-        calls.append(1)
-        return real()
+    def counting_snapshot(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
 
     object.__setattr__(w, "snapshot", counting_snapshot)
     exp = PrometheusExporter(w, multiprocess=False)
@@ -184,7 +184,7 @@ def test_gauges_are_computed_at_scrape_time_not_per_call():
         scenario(w)
         assert calls == []  # nothing per allocator call nor per step
         assert exp.registry.get_sample_value("kvalloc_pages", {"pool": "full", "state": "used"}) == 7
-        assert len(calls) == 1  # one snapshot per scrape
+        assert calls == [{"wait": False}]  # one snapshot per scrape, never waiting on deferred checks
     finally:
         exp.close()
 
@@ -487,7 +487,7 @@ def test_failing_sink_never_reaches_the_caller():
 def test_failing_collector_keeps_the_scrape_alive(run, monkeypatch, caplog):
     w, exp = run()
 
-    def broken():
+    def broken(**kwargs):
         raise RuntimeError("snapshot broke")
 
     object.__setattr__(w, "snapshot", broken)
