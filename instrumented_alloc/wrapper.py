@@ -949,8 +949,11 @@ class InstrumentedAllocator:
             return inner.clear()
         with self._w_lock:
             self._w_op = "clear"
+            # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
+            # clear lands after it (the host-side page counts are reset now, with the shadow).
+            self._drain(wait=True)
             result = inner.clear()
-            self._slot_tier(self._cleared)
+            self._cleared()
             self._finish()
             return result
 
