@@ -23,9 +23,11 @@ Contract:
 - The state at step N is: the newest base snapshot at or before N (a snapshot taken at a step boundary carries
   that ``StepBoundary``'s seq) + every event with a seq after the snapshot's seq, up to and including the
   ``StepBoundary`` of step N (``state_at``). The StepBoundary of step N follows all of step N's page and ledger
-  events (``alloc.step()`` flushes them first), so this is what ``alloc.snapshot()`` returned right after
-  ``alloc.step()`` made ``step_count == N``. A base taken between boundaries (a recorder attached mid-run) is the
-  state at the moment it was taken; it answers for its own step when no boundary of that step follows it.
+  events (``alloc.step()`` flushes them first), so this is what ``alloc.snapshot(wait=False)`` returned right after
+  ``alloc.step()`` made ``step_count == N`` (the same as ``snapshot()`` unless deferred device checks were still in
+  flight: their page changes are published, and replayed, when they complete). A base taken between boundaries
+  (a recorder attached mid-run) is the state at the moment it was taken; it answers for its own step when no
+  boundary of that step follows it.
 - Replay trusts the wrapper's event contract (``events.py``): page and ledger changes are published completely and
   in order. It infers one change the wrapper does not publish as a ledger event: the ledger reset of ``clear()``.
 """

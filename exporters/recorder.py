@@ -1,0 +1,991 @@
+"""The flight recorder: an ``InstrumentedAllocator``'s events, violations and periodic page snapshots in one
+SQLite file (``FlightRecorder``), and its reader (``Recording``).
+
+Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
+- Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
+  allocator call that produced the batch. It never blocks and never raises: it puts the batch (frozen events whose
+  arrays the wrapper copied for them) on a bounded ``queue.Queue`` with ``put_nowait`` and returns False when the
+  queue is full or the recorder stopped, so the bus counts the refused events in ``alloc.bus.dropped["recorder"]``.
+  On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
+  or when retention wants a newer base) it also takes ``alloc.snapshot()`` (host copies of the owner arrays) and
+  queues it with the boundary's seq (``snapshot(wait=False)``: deferred device checks still in flight are not
+  waited for; their page changes come in later events). A background writer thread owns the SQLite connection
+  and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
+  while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
+- File: SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables ``meta``, ``events``,
+  ``violations``, ``snapshots`` (see ``_SCHEMA``). ``close()`` switches a finished file back to a single-file
+  rollback journal when no reader holds it. Schema and initial snapshot (the state when recording started, so that
+  replay always has a base) are committed before the constructor returns. An existing recording at ``path`` is
+  replaced only with ``overwrite=True``; any other existing file is never replaced.
+- Ordering: events are written in ``seq`` order, each batch and its snapshot in one transaction. A violation is
+  committed as soon as it is written; other events are committed every ``flush_interval`` seconds or every
+  ``_COMMIT_ROWS`` rows, whichever comes first. Durability: ``synchronous=NORMAL``: a killed process loses nothing
+  committed; a power loss may lose the last transactions, never the file's consistency.
+- Dropped: when the queue is full the batch is refused (counted by the bus) and an ``EventsLost`` marker is written
+  before the next accepted batch; replay cannot cross it, so the next step boundary takes a fresh snapshot.
+  The wrapper's own ``Snapshot`` events are not stored (the recorder takes its own). Violations from before the
+  recorder was attached are not in the file.
+- Retention: ``max_events`` / ``max_bytes`` (``(page_count - freelist_count) * page_size`` of the main file, the
+  WAL aside) delete the oldest events and the snapshots before the newest snapshot that is older than every kept
+  event, so ``state_at`` works for every kept step; the file shrinks through incremental vacuum. Violations are
+  always kept. It is a soft bound: events after the newest usable snapshot are never deleted (the recorder asks
+  for a snapshot when half the event budget, or a quarter of the byte budget, has been written since the last).
+- Faults: an unwritable path (or an existing file that is not a recording we may replace) raises
+  ``RecorderError`` naming the path at construction. Any error of the writer later (disk full, I/O error, the file
+  deleted or replaced under it) stops recording: one warning on the ``instrumented_alloc.recorder`` logger, the
+  sink refuses every later batch (``alloc.bus.dropped["recorder"]`` grows), events that were queued or not yet
+  committed are counted in ``lost_events``; the allocator never sees an exception. Readers keep what was committed.
+
+Contracts (reader, ``Recording(path)``): read-only (SQLite ``mode=ro``); every query runs in its own read
+transaction, so a reader opened while the writer runs sees each new commit. A file that is not a recording (not
+SQLite, empty, SQLite without our tables or format) raises ``RecordingError`` (a ``ValueError``) naming the file;
+a missing file ``RecordingNotFoundError`` (also a ``FileNotFoundError``). A recording cut off mid-write (killed
+writer) reads up to its last complete transaction. ``state_at`` follows ``instrumented_alloc.replay``'s contract.
+Request ids round-trip when they are ``str`` or ``int``; other ids are stored as their ``repr``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import sqlite3
+import struct
+import threading
+import time
+import urllib.parse
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+import instrumented_alloc
+from instrumented_alloc import events as ev
+from instrumented_alloc import replay
+from instrumented_alloc.invariants import Violation
+from instrumented_alloc.replay import EventsLost, ReplayState
+
+logger = logging.getLogger("instrumented_alloc.recorder")
+
+FORMAT = "instrumented-alloc-recording"
+FORMAT_VERSION = 1
+SINK_NAME = "recorder"
+
+_COMMIT_ROWS = 5000  # rows written since the last commit that force one
+_COMPRESS_OVER = 512  # payloads larger than this many bytes are zlib-compressed
+_READ_CHUNK = 2000
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY, step INTEGER NOT NULL, ts REAL NOT NULL, kind TEXT NOT NULL, rid, payload BLOB NOT NULL
+);
+CREATE INDEX events_step ON events (step);
+CREATE INDEX events_kind_step ON events (kind, step);
+CREATE INDEX events_rid ON events (rid) WHERE rid IS NOT NULL;
+CREATE TABLE violations (
+    seq INTEGER PRIMARY KEY, step INTEGER NOT NULL, ts REAL NOT NULL, invariant TEXT NOT NULL,
+    severity TEXT NOT NULL, pool TEXT, rid, op TEXT NOT NULL, message TEXT NOT NULL, trace_id TEXT
+);
+CREATE INDEX violations_step ON violations (step);
+CREATE TABLE snapshots (
+    seq INTEGER NOT NULL, step INTEGER NOT NULL, pool TEXT NOT NULL, num_pages INTEGER NOT NULL,
+    page_size INTEGER NOT NULL, owner BLOB NOT NULL, ledger BLOB NOT NULL, PRIMARY KEY (seq, pool)
+);
+CREATE INDEX snapshots_step ON snapshots (step);
+"""
+_TABLES = frozenset({"meta", "events", "violations", "snapshots"})
+# Event kinds that change the replayed state (replay.py); everything else is skipped by state_at's query.
+_STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
+_RESERVED_META = frozenset(
+    {
+        "format",
+        "format_version",
+        "recorder_version",
+        "pools",
+        "page_size",
+        "sliding_window",
+        "mode",
+        "allocator",
+        "start_time",
+        "end_time",
+        "initial_step",
+        "snapshot_every",
+        "max_events",
+        "max_bytes",
+        "events_dropped",
+        "events_lost",
+        "failure",
+    }
+)
+
+
+class RecorderError(OSError):
+    """The flight recorder cannot write its file (raised at construction only)."""
+
+
+class RecordingError(ValueError):
+    """The file is not a readable flight recording (the message names the file)."""
+
+
+class RecordingNotFoundError(RecordingError, FileNotFoundError):
+    """There is no file at the recording's path."""
+
+
+# -- codec ------------------------------------------------------------------------------------------------------
+def _event_classes() -> dict[str, type]:
+    out = {}
+    for obj in vars(ev).values():
+        if isinstance(obj, type) and issubclass(obj, ev.Event) and obj is not ev.Event:
+            out[obj.__name__] = obj
+    out[EventsLost.__name__] = EventsLost
+    return out
+
+
+_KINDS = _event_classes()
+_FIELDS: dict[type, tuple] = {}
+
+
+def _fields_of(cls: type) -> tuple:
+    """(name, is_tuple) of the payload fields of an event class (seq/ts/step are columns)."""
+    f = _FIELDS.get(cls)
+    if f is None:
+        f = tuple(
+            (x.name, x.type in ("tuple", tuple)) for x in dataclasses.fields(cls) if x.name not in ("seq", "ts", "step")
+        )
+        _FIELDS[cls] = f
+    return f
+
+
+def _rid(r):
+    """A request id as stored: str and int as they are, None as NULL, anything else as its repr."""
+    if r is None or isinstance(r, str) or (isinstance(r, int) and not isinstance(r, bool)):
+        return r
+    if isinstance(r, np.integer):
+        return int(r)
+    return repr(r)
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return repr(o)
+
+
+def _dumps(doc) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), default=_json_default).encode()
+
+
+def _violation_doc(v: Violation) -> dict:
+    d = dataclasses.asdict(v)
+    d["rid"] = _rid(v.rid)
+    return d
+
+
+def _squeeze(data: bytes) -> tuple[str, bytes]:
+    """("z", compressed) when that pays, else ("r", data)."""
+    if len(data) > _COMPRESS_OVER:
+        z = zlib.compress(data, 1)
+        if len(z) < len(data):
+            return "z", z
+    return "r", data
+
+
+def _pack(doc) -> bytes:
+    """A JSON document as a blob: b"Z" + zlib(json) or b"R" + json."""
+    enc, data = _squeeze(_dumps(doc))
+    return (b"Z" if enc == "z" else b"R") + data
+
+
+def _unpack(blob: bytes):
+    tag, body = blob[:1], blob[1:]
+    if tag == b"Z":
+        body = zlib.decompress(body)
+    elif tag != b"R":
+        raise ValueError(f"unknown blob encoding {tag!r}")
+    return json.loads(body)
+
+
+def _store_dtype(a: np.ndarray) -> np.dtype:
+    if a.dtype.kind in "iu" and (a.size == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31)):
+        return np.dtype("<i4")
+    return a.dtype.newbyteorder("<")
+
+
+def _rids_segment(rids: tuple, cache: dict | None) -> tuple[str, bytes]:
+    """The encoded segment of a ``rids`` tuple; a decode batch repeats the same tuple every step, so the writer
+    keeps the last few encodings (``cache``)."""
+    if cache is not None:
+        try:
+            hit = cache.get(rids)
+        except TypeError:  # an unhashable request id
+            cache = None
+            hit = None
+        if hit is not None:
+            return hit
+    seg = _squeeze(_dumps([_rid(r) for r in rids]))
+    if cache is not None:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[rids] = seg
+    return seg
+
+
+def _tuplify(v):
+    return tuple(_tuplify(x) for x in v) if isinstance(v, list) else v
+
+
+def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, bytes]:
+    """(kind, rid, payload) of one event: the row a recording stores besides seq/step/ts.
+
+    payload = b"E" + u32 header length + header JSON (``f``: plain fields, ``a``: arrays as
+    [name, dtype, stored dtype, shape], ``s``: segments as [name, "z"|"r", length]) + the segments: the ``rids``
+    tuple as JSON, then every array's little-endian bytes concatenated (``@arrays``), each zlib-compressed when
+    large."""
+    cls = type(e)
+    doc: dict = {}
+    arrays: list = []
+    buffers: list = []
+    segs: list = []
+    datas: list = []
+    rid = None
+    for name, _ in _fields_of(cls):
+        v = getattr(e, name)
+        if isinstance(v, np.ndarray):
+            store = _store_dtype(v)
+            arrays.append((name, v.dtype.str, store.str, list(v.shape)))
+            buffers.append(np.ascontiguousarray(v, dtype=store).tobytes())
+        elif isinstance(v, Violation):
+            doc[name] = _violation_doc(v)
+            rid = _rid(v.rid)
+        elif name == "rid":
+            doc[name] = rid = _rid(v)
+        elif name == "rids" and isinstance(v, tuple):
+            enc, data = _rids_segment(v, cache)
+            segs.append((name, enc, len(data)))
+            datas.append(data)
+            if len(v) == 1:
+                rid = _rid(v[0])
+        else:
+            doc[name] = v
+    if buffers:
+        enc, data = _squeeze(b"".join(buffers))
+        segs.append(("@arrays", enc, len(data)))
+        datas.append(data)
+    head = _dumps({"f": doc, "a": arrays, "s": segs})
+    return cls.__name__, rid, b"".join((b"E", struct.pack("<I", len(head)), head, *datas))
+
+
+def decode_event(kind: str, seq: int, step: int, ts: float, payload: bytes) -> ev.Event:
+    """The event a row stores (inverse of ``encode_event``)."""
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    if payload[:1] != b"E":
+        raise ValueError(f"unknown payload encoding {payload[:1]!r}")
+    (n,) = struct.unpack_from("<I", payload, 1)
+    off = 5 + n
+    doc = json.loads(payload[5:off])
+    kwargs = doc["f"]
+    for name, enc, length in doc["s"]:
+        data = payload[off : off + length]
+        off += length
+        if enc == "z":
+            data = zlib.decompress(data)
+        if name == "@arrays":
+            pos = 0
+            for aname, dtype, store, shape in doc["a"]:
+                st = np.dtype(store)
+                count = int(np.prod(shape)) if shape else 1
+                a = np.frombuffer(data, dtype=st, count=count, offset=pos).reshape(shape)
+                kwargs[aname] = a.astype(np.dtype(dtype).newbyteorder("="))
+                pos += count * st.itemsize
+        else:
+            kwargs[name] = json.loads(data)
+    for name, is_tuple in _fields_of(cls):
+        v = kwargs.get(name)
+        if isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
+            kwargs[name] = _tuplify(v)
+    if isinstance(kwargs.get("violation"), dict):
+        kwargs["violation"] = Violation(**kwargs["violation"])
+    return cls(seq=seq, ts=ts, step=step, **kwargs)
+
+
+def _encode_ledger(snaps: Mapping) -> bytes:
+    first = next(iter(snaps.values()))
+    led = first.ledger
+    rows = [
+        [_rid(r), int(s), int(a), int(c), int(x)]
+        for r, s, a, c, x in zip(led.rids, led.slots, led.allocated, led.committed, led.evicted)
+    ]
+    slot_rids: dict = {}
+    for snap in snaps.values():
+        slot_rids.update(snap.slot_rids)
+    return _pack({"rows": rows, "slot_rids": [[int(s), _rid(r)] for s, r in slot_rids.items()]})
+
+
+def _encode_owner(owner: np.ndarray) -> bytes:
+    return b"Z" + zlib.compress(np.ascontiguousarray(owner, dtype="<i4").tobytes(), 1)
+
+
+def _decode_owner(blob: bytes) -> np.ndarray:
+    if blob[:1] != b"Z":
+        raise ValueError("unknown owner encoding")
+    return np.frombuffer(zlib.decompress(blob[1:]), dtype="<i4").astype(np.int32)
+
+
+# -- writer -----------------------------------------------------------------------------------------------------
+def _open_writer(path: str) -> sqlite3.Connection:
+    """The writer's connection (a test seam: tests wrap it to inject faults)."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # before the first table: lets retention shrink the file
+    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        conn.close()
+        raise sqlite3.OperationalError(f"cannot switch to WAL mode (journal_mode is {mode})")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA journal_size_limit = 8388608")
+    return conn
+
+
+@dataclasses.dataclass
+class _Flush:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclasses.dataclass
+class _Stop:
+    end_time: float
+    dropped: int
+
+
+_TICK = object()
+
+
+def _file_id(path: str):
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
+def _is_recording(path: str) -> bool:
+    try:
+        with contextlib.closing(Recording(path)):
+            return True
+    except RecordingError:
+        return False
+
+
+class FlightRecorder:
+    """Record ``alloc``'s events into the SQLite file ``path`` (see the module contract).
+
+    ``snapshot_every``: steps between periodic snapshots; ``max_events`` / ``max_bytes``: retention bounds (None:
+    keep everything); ``queue_size``: batches the engine thread may run ahead of the writer; ``meta``: run
+    metadata stored as given (e.g. ``preset``, ``version``, ``rank``); ``clock``: wall clock for start/end times;
+    ``flush_interval``: seconds between commits of ordinary events; ``overwrite``: replace an existing recording
+    at ``path`` (a file that is not a recording is never replaced).
+    """
+
+    name = SINK_NAME
+    # Every kind but the wrapper's own Snapshot events (the recorder takes its own): the wrapper then builds no
+    # Snapshot events unless another sink reads them.
+    event_types = frozenset(c for c in _KINDS.values() if c is not ev.Snapshot and c is not EventsLost)
+
+    def __init__(
+        self,
+        alloc,
+        path,
+        *,
+        snapshot_every: int = 100,
+        max_events: int | None = None,
+        max_bytes: int | None = None,
+        queue_size: int = 10000,
+        meta: Mapping | None = None,
+        clock: Callable[[], float] = time.time,
+        flush_interval: float = 0.2,
+        overwrite: bool = False,
+    ):
+        for label, value, low in (("snapshot_every", snapshot_every, 1), ("queue_size", queue_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{label}: expected an int >= {low}, got {value!r}")
+        for label, value in (("max_events", max_events), ("max_bytes", max_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{label}: expected None or an int >= 1, got {value!r}")
+        meta = dict(meta or {})
+        clash = sorted(set(meta) & _RESERVED_META)
+        if clash:
+            raise ValueError(f"meta: keys {clash} are written by the recorder itself")
+        self.path = os.fspath(path)
+        self._alloc = alloc
+        self._every = snapshot_every
+        self._max_events = max_events
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._flush_interval = float(flush_interval)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # Sink state (engine thread).
+        self._stopped = False
+        self._closed = False
+        self._next_seq: int | None = None
+        self._gap_from: int | None = None
+        self._due = False
+        # Writer state (writer thread); plain attributes read by others are GIL-atomic.
+        self.failed: BaseException | None = None
+        self.lost_events = 0
+        self._want_snapshot = False
+        self._n_events = 0
+        self._since_snap_events = 0
+        self._since_snap_bytes = 0
+        self._rids_cache: dict = {}
+
+        self._conn = self._create(overwrite, meta)
+        try:
+            alloc.subscribe(self)
+            try:
+                snaps = alloc.snapshot()
+                self._conn.execute("BEGIN")
+                self._write_snapshot(int(alloc.step_count), 0, snaps)
+                self._conn.execute("COMMIT")
+                self._file = _file_id(self.path)
+            except BaseException:
+                alloc.unsubscribe(self)
+                raise
+        except (sqlite3.Error, OSError) as exc:
+            self._conn.close()
+            raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
+        self._thread = threading.Thread(target=self._writer, name=f"flight-recorder:{self.path}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # an engine that exits without close() still finishes the file
+
+    # -- construction ---------------------------------------------------------------------------------------------
+    def _create(self, overwrite: bool, user_meta: dict) -> sqlite3.Connection:
+        path = self.path
+        if os.path.isdir(path):
+            raise RecorderError(f"cannot write flight recording {path!r}: it is a directory")
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            if not _is_recording(path):
+                raise RecorderError(f"cannot write flight recording {path!r}: the file exists and is not a recording")
+            if not overwrite:
+                raise RecorderError(
+                    f"cannot write flight recording {path!r}: a recording exists there (pass overwrite=True)"
+                )
+        if overwrite or (os.path.exists(path) and os.path.getsize(path) == 0):
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + suffix)
+        alloc = self._alloc
+        try:
+            conn = _open_writer(path)
+        except (sqlite3.Error, OSError) as exc:
+            raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
+        try:
+            snaps = alloc.snapshot()
+            meta = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "recorder_version": instrumented_alloc.__version__,
+                "pools": [{"name": n, "num_pages": s.num_pages, "page_size": s.page_size} for n, s in snaps.items()],
+                "page_size": int(next(iter(snaps.values())).page_size),
+                "sliding_window": alloc.sliding_window,
+                "mode": getattr(alloc, "mode", None),
+                "allocator": type(getattr(alloc, "inner", alloc)).__name__,
+                "start_time": float(self._clock()),
+                "initial_step": int(alloc.step_count),
+                "snapshot_every": self._every,
+                "max_events": self._max_events,
+                "max_bytes": self._max_bytes,
+                **user_meta,
+            }
+            conn.executescript(_SCHEMA)
+            conn.execute("BEGIN")
+            conn.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?)", [(k, _dumps(v).decode()) for k, v in meta.items()]
+            )
+            conn.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            conn.close()
+            raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
+        return conn
+
+    # -- the sink (engine thread) ---------------------------------------------------------------------------------
+    def __call__(self, batch: Sequence[ev.Event]) -> bool:
+        if self._stopped or not batch:
+            return not self._stopped
+        first = batch[0].seq
+        gap_from = self._gap_from
+        if gap_from is None and self._next_seq is not None and first > self._next_seq:
+            gap_from = self._next_seq
+        lost = (gap_from, first - 1) if gap_from is not None and gap_from < first else None
+        snap = None
+        boundary = None
+        for e in batch:
+            if isinstance(e, ev.StepBoundary):
+                boundary = e
+        if boundary is not None:
+            due = self._due or lost is not None or self._want_snapshot or boundary.step % self._every == 0
+            if due:
+                snap = self._take_snapshot(boundary)
+                self._due = snap is None
+        try:
+            self._queue.put_nowait((batch, snap, lost))
+        except queue.Full:
+            self._gap_from = gap_from if gap_from is not None else first
+            self._due = True
+            return False
+        self._gap_from = None
+        self._next_seq = batch[-1].seq + 1
+        if snap is not None:
+            self._want_snapshot = False
+        elif lost is not None:
+            self._due = True
+        return True
+
+    def _take_snapshot(self, boundary: ev.StepBoundary):
+        # wait=False: never wait for deferred device checks here (a sync on the engine thread). The state as of the
+        # verified calls is exactly what the events published up to this boundary describe; what the pending
+        # checks change later is published later, with later seqs.
+        try:
+            return (boundary.step, boundary.seq, self._alloc.snapshot(wait=False))
+        except Exception:
+            return None
+
+    # -- public API -------------------------------------------------------------------------------------------------
+    @property
+    def dropped(self) -> int:
+        """Events the sink refused (the bus's count for this sink)."""
+        return int(self._alloc.bus.dropped.get(SINK_NAME, 0))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is committed. True on success, False after a failure or timeout.
+        Blocks: for tests, tools and shutdown, never for the engine's hot path."""
+        if self._closed or self.failed is not None:
+            return False
+        marker = _Flush()
+        try:
+            self._queue.put(marker, timeout=timeout)
+        except queue.Full:
+            return False
+        return marker.done.wait(timeout) and marker.ok
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop recording: unsubscribe, write what is queued, finish the file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        with contextlib.suppress(ValueError):
+            self._alloc.unsubscribe(self)
+        self._stopped = True
+        try:
+            self._queue.put(_Stop(end_time=float(self._clock()), dropped=self.dropped), timeout=timeout)
+        except queue.Full:
+            logger.warning("flight recorder %s: the writer did not take the stop request", self.path)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> FlightRecorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.failed is not None else ("closed" if self._closed else "recording")
+        return f"FlightRecorder({self.path!r}, {state})"
+
+    # -- the writer thread --------------------------------------------------------------------------------------
+    def _writer(self) -> None:
+        conn = self._conn
+        q = self._queue
+        in_txn = False
+        last_commit = time.monotonic()
+        uncommitted = 0
+        while True:
+            timeout = max(0.0, last_commit + self._flush_interval - time.monotonic()) if in_txn else None
+            try:
+                item = q.get(timeout=timeout)
+            except queue.Empty:
+                item = _TICK
+            if self.failed is not None:
+                if isinstance(item, _Stop):
+                    break
+                if isinstance(item, _Flush):
+                    item.done.set()
+                elif isinstance(item, tuple):
+                    self.lost_events += len(item[0])
+                continue
+            try:
+                if isinstance(item, tuple):
+                    if not in_txn:
+                        conn.execute("BEGIN")
+                        in_txn = True
+                    uncommitted += len(item[0])
+                    urgent = self._write(*item)
+                    if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
+                        conn.execute("COMMIT")
+                        in_txn, uncommitted, last_commit = False, 0, time.monotonic()
+                        self._after_commit()
+                elif item is _TICK or isinstance(item, (_Flush, _Stop)):
+                    if in_txn:
+                        conn.execute("COMMIT")
+                        in_txn, uncommitted, last_commit = False, 0, time.monotonic()
+                        self._after_commit()
+                    if isinstance(item, _Flush):
+                        item.ok = True
+                        item.done.set()
+                    elif isinstance(item, _Stop):
+                        self._finish(item)
+                        break
+            except Exception as exc:
+                self.lost_events += uncommitted
+                self._fail(exc)
+                with contextlib.suppress(Exception):
+                    conn.rollback()
+                in_txn, uncommitted = False, 0
+                if isinstance(item, _Flush):
+                    item.done.set()
+                elif isinstance(item, _Stop):
+                    break
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is not None:
+            return
+        self.failed = exc
+        self._stopped = True
+        logger.warning(
+            "flight recorder %s stopped recording: %s: %s; later events are dropped "
+            "(counted in alloc.bus.dropped[%r]); what was committed stays readable",
+            self.path,
+            type(exc).__name__,
+            exc,
+            SINK_NAME,
+            exc_info=not isinstance(exc, (sqlite3.Error, OSError)),
+        )
+
+    def _after_commit(self) -> None:
+        """The file is still ours (an unlinked or replaced file takes writes without an error), then retention."""
+        try:
+            moved = _file_id(self.path) != self._file
+        except FileNotFoundError:
+            moved = True
+        if moved:
+            raise OSError(f"the recording file {self.path!r} was deleted or replaced while recording")
+        self._retain()
+
+    def _write(self, batch, snap, lost) -> bool:
+        conn = self._conn
+        rows = []
+        vrows = []
+        nbytes = 0
+        if lost is not None:
+            lo, hi = lost
+            head = batch[0]
+            marker = EventsLost(seq=hi, ts=head.ts, step=head.step, first_seq=lo, last_seq=hi, n_events=hi - lo + 1)
+            rows.append((hi, head.step, head.ts, *encode_event(marker)))
+        for e in batch:
+            if isinstance(e, ev.Snapshot):
+                continue
+            kind, rid, payload = encode_event(e, self._rids_cache)
+            nbytes += len(payload)
+            rows.append((e.seq, e.step, e.ts, kind, rid, payload))
+            if isinstance(e, ev.ViolationEvent):
+                v = e.violation
+                vrows.append(
+                    (e.seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
+                )
+        conn.executemany("INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows)
+        if vrows:
+            conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
+        self._n_events += len(rows)
+        self._since_snap_events += len(rows)
+        self._since_snap_bytes += nbytes
+        if snap is not None:
+            self._write_snapshot(*snap)
+        elif (self._max_events and self._since_snap_events >= max(1, self._max_events // 2)) or (
+            self._max_bytes and self._since_snap_bytes >= self._max_bytes // 4
+        ):
+            self._want_snapshot = True
+        return bool(vrows)
+
+    def _write_snapshot(self, step: int, seq: int, snaps: Mapping) -> None:
+        ledger = _encode_ledger(snaps)
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?)",
+            [
+                (seq, step, name, int(s.num_pages), int(s.page_size), _encode_owner(s.owner), ledger)
+                for name, s in snaps.items()
+            ],
+        )
+        self._since_snap_events = 0
+        self._since_snap_bytes = 0
+
+    def _retain(self) -> None:
+        conn = self._conn
+        deleted = False
+        if self._max_events and self._n_events > self._max_events:
+            row = conn.execute(
+                "SELECT seq FROM events ORDER BY seq LIMIT 1 OFFSET ?", (self._n_events - self._max_events,)
+            ).fetchone()
+            if row is not None:
+                deleted |= self._drop_before_snapshot_at_or_before(row[0])
+        if self._max_bytes:
+            for _ in range(64):
+                ps = conn.execute("PRAGMA page_size").fetchone()[0]
+                used = (
+                    conn.execute("PRAGMA page_count").fetchone()[0]
+                    - conn.execute("PRAGMA freelist_count").fetchone()[0]
+                ) * ps
+                if used <= self._max_bytes:
+                    break
+                seqs = [r[0] for r in conn.execute("SELECT DISTINCT seq FROM snapshots ORDER BY seq LIMIT 2")]
+                if len(seqs) < 2 or not self._drop_before(seqs[1]):
+                    break
+                deleted = True
+        if deleted:
+            conn.executescript("PRAGMA incremental_vacuum;")
+
+    def _drop_before_snapshot_at_or_before(self, seq: int) -> bool:
+        row = self._conn.execute("SELECT max(seq) FROM snapshots WHERE seq <= ?", (seq,)).fetchone()
+        return row[0] is not None and self._drop_before(row[0])
+
+    def _drop_before(self, seq: int) -> bool:
+        """Delete the events and snapshots older than the snapshot at ``seq`` (kept, with its own boundary)."""
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            n = conn.execute("DELETE FROM events WHERE seq < ?", (seq,)).rowcount
+            m = conn.execute("DELETE FROM snapshots WHERE seq < ?", (seq,)).rowcount
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.rollback()
+            raise
+        self._n_events -= max(0, n)
+        return n > 0 or m > 0
+
+    def _finish(self, stop: _Stop) -> None:
+        conn = self._conn
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+            [
+                ("end_time", _dumps(stop.end_time).decode()),
+                ("events_dropped", _dumps(stop.dropped).decode()),
+                ("events_lost", _dumps(self.lost_events).decode()),
+            ],
+        )
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA busy_timeout = 0")  # never wait on a reader here
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA journal_mode = DELETE")  # a finished file is one file; fails if a reader holds it
+
+
+# -- reader -------------------------------------------------------------------------------------------------
+class Recording:
+    """A flight recording, read-only (see the module contract). Safe to share between threads."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        p = self.path
+        if not os.path.exists(p):
+            raise RecordingNotFoundError(f"{p}: no such file (expected a flight recording)")
+        if os.path.isdir(p):
+            raise RecordingError(f"{p} is a directory, not a flight recording")
+        uri = "file:" + urllib.parse.quote(os.path.abspath(p)) + "?mode=ro"
+        self._lock = threading.RLock()
+        try:
+            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise RecordingError(f"{p} cannot be opened as a flight recording: {exc}") from exc
+        try:
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            missing = sorted(_TABLES - tables)
+            if missing:
+                raise RecordingError(f"{p} is not a flight recording (no table {', '.join(missing)})")
+            meta = self._read_meta()
+            if meta.get("format") != FORMAT:
+                raise RecordingError(f"{p} is not a flight recording (format {meta.get('format')!r})")
+            if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+                raise RecordingError(
+                    f"{p}: recording format version {meta.get('format_version')} is newer than this reader's "
+                    f"({FORMAT_VERSION})"
+                )
+        except RecordingError:
+            self._conn.close()
+            raise
+        except (sqlite3.DatabaseError, ValueError, TypeError) as exc:
+            self._conn.close()
+            raise RecordingError(f"{p} is not a flight recording ({exc})") from exc
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _read(self):
+        """One read transaction: a consistent view of the last commit."""
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("BEGIN")
+                try:
+                    yield conn
+                finally:
+                    conn.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                raise RecordingError(f"{self.path}: cannot read the recording ({exc})") from exc
+
+    def _read_meta(self) -> dict:
+        out = {}
+        for k, v in self._conn.execute("SELECT key, value FROM meta"):
+            try:
+                out[k] = json.loads(v)
+            except ValueError:
+                out[k] = v
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recording({self.path!r})"
+
+    # -- queries ------------------------------------------------------------------------------------------------
+    @property
+    def meta(self) -> dict:
+        """Run metadata: pools (name, num_pages, page_size), page_size, sliding_window, start_time, initial_step,
+        the caller's ``meta=`` (preset, version, rank, ...) and, once closed, end_time / events_dropped."""
+        with self._read():
+            return self._read_meta()
+
+    def steps(self) -> tuple[int, int]:
+        """(first, last): the range of steps ``state_at`` can answer (first: the oldest kept snapshot)."""
+        with self._read() as conn:
+            first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
+            last = conn.execute("SELECT max(step) FROM events WHERE kind = 'StepBoundary'").fetchone()[0]
+            top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
+        if first is None:
+            raise RecordingError(f"{self.path}: the recording has no snapshot")
+        return int(first), int(max(x for x in (last, top) if x is not None))
+
+    def snapshot_steps(self) -> list[int]:
+        """The steps of the stored snapshots (the bases replay starts from)."""
+        with self._read() as conn:
+            return [int(r[0]) for r in conn.execute("SELECT step FROM snapshots GROUP BY seq ORDER BY seq")]
+
+    def violations(self, start: int | None = None, stop: int | None = None) -> list[Violation]:
+        """Every recorded violation with ``start <= step < stop`` (None: unbounded), in order."""
+        sql = "SELECT invariant, message, pool, rid, step, op, ts, trace_id, severity FROM violations"
+        where, args = _step_range(start, stop)
+        with self._read() as conn:
+            rows = conn.execute(f"{sql}{where} ORDER BY seq", args).fetchall()
+        return [
+            Violation(invariant=i, message=m, pool=p, rid=r, step=s, op=o, ts=t, trace_id=tr, severity=sv)
+            for i, m, p, r, s, o, t, tr, sv in rows
+        ]
+
+    def events(
+        self, start: int | None = None, stop: int | None = None, *, kinds: Iterable | None = None
+    ) -> Iterator[ev.Event]:
+        """Decoded events with ``start <= step < stop`` (None: unbounded), in seq order; ``kinds``: event classes
+        or their names. Read in chunks (each its own read transaction), so a long iteration follows the writer."""
+        where, args = _step_range(start, stop)
+        if kinds is not None:
+            names = [k if isinstance(k, str) else k.__name__ for k in kinds]
+            where += (" AND " if where else " WHERE ") + f"kind IN ({','.join('?' * len(names))})"
+            args = [*args, *names]
+        where += (" AND " if where else " WHERE ") + "seq > ?"
+        after = -(2**62)
+        while True:
+            with self._read() as conn:
+                rows = conn.execute(
+                    f"SELECT seq, step, ts, kind, payload FROM events{where} ORDER BY seq LIMIT {_READ_CHUNK}",
+                    [*args, after],
+                ).fetchall()
+            if not rows:
+                return
+            for seq, step, ts, kind, payload in rows:
+                yield self._decode(kind, seq, step, ts, payload)
+            after = rows[-1][0]
+
+    def _decode(self, kind, seq, step, ts, payload) -> ev.Event:
+        try:
+            return decode_event(kind, seq, step, ts, payload)
+        except (ValueError, TypeError, KeyError, zlib.error, struct.error) as exc:
+            raise RecordingError(f"{self.path}: event {seq} ({kind}) cannot be decoded: {exc}") from exc
+
+    def state_at(self, step: int) -> ReplayState:
+        """Pages and ledger at step ``step``: the nearest snapshot at or before it plus the events up to that
+        step's boundary (``instrumented_alloc.replay``). ValueError when the step is not in the recording (or
+        retention removed it); ``replay.IncompleteHistory`` when events between the base and the step were lost."""
+        step = int(step)
+        with self._read() as conn:
+            end = conn.execute(
+                "SELECT max(seq) FROM events WHERE kind = 'StepBoundary' AND step = ?", (step,)
+            ).fetchone()[0]
+            if end is None:
+                row = conn.execute("SELECT max(seq) FROM snapshots WHERE step = ?", (step,)).fetchone()
+            else:
+                row = conn.execute(
+                    "SELECT max(seq) FROM snapshots WHERE seq <= ? AND step <= ?", (end, step)
+                ).fetchone()
+            base_seq = row[0]
+            if base_seq is None:
+                first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
+                last = conn.execute("SELECT max(step) FROM events WHERE kind = 'StepBoundary'").fetchone()[0]
+                last = first if last is None else last
+                raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
+            snap_rows = conn.execute(
+                "SELECT step, pool, owner, ledger FROM snapshots WHERE seq = ? ORDER BY rowid", (base_seq,)
+            ).fetchall()
+            rows = []
+            if end is not None:
+                rows = conn.execute(
+                    "SELECT seq, step, ts, kind, payload FROM events WHERE seq > ? AND seq <= ? "
+                    f"AND kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
+                    (base_seq, end, *_STATE_KINDS),
+                ).fetchall()
+        state = self._base(base_seq, snap_rows)
+        try:
+            return replay.apply(state, (self._decode(k, s, st, t, p) for s, st, t, k, p in rows), inplace=True)
+        except replay.IncompleteHistory as exc:
+            raise replay.IncompleteHistory(f"{self.path}: step {step}: {exc}") from exc
+
+    def _base(self, seq: int, rows) -> ReplayState:
+        try:
+            owners = {pool: _decode_owner(owner) for _, pool, owner, _ in rows}
+            doc = _unpack(rows[0][3])
+        except (ValueError, zlib.error, struct.error) as exc:
+            raise RecordingError(f"{self.path}: snapshot {seq} cannot be decoded: {exc}") from exc
+        return ReplayState(
+            step=int(rows[0][0]),
+            seq=int(seq),
+            owners=owners,
+            ledger={r: replay.LedgerRow(a, c, x) for r, _, a, c, x in doc["rows"]},
+            slot_rids={int(s): r for s, r in doc["slot_rids"]} | {int(s): r for r, s, _, _, _ in doc["rows"]},
+        )
+
+
+def _step_range(start, stop) -> tuple[str, list]:
+    conds, args = [], []
+    if start is not None:
+        conds.append("step >= ?")
+        args.append(int(start))
+    if stop is not None:
+        conds.append("step < ?")
+        args.append(int(stop))
+    return (" WHERE " + " AND ".join(conds) if conds else ""), args

@@ -1,0 +1,670 @@
+"""The flight recorder (``exporters.recorder``): replay equals the live state, violations, a live reader, a killed
+writer, files that are not recordings, write faults, retention.
+
+The random engine is ``tests.test_wrapper_properties.Engine`` (wrapped allocator + bare twin; ``both`` asserts
+bit-identical results), driven by ``drive`` below from hypothesis draws or a seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import exporters.recorder as recorder_mod
+from exporters.recorder import (
+    FlightRecorder,
+    RecorderError,
+    Recording,
+    RecordingError,
+    RecordingNotFoundError,
+    decode_event,
+    encode_event,
+)
+from instrumented_alloc import Violation
+from instrumented_alloc import events as ev
+from instrumented_alloc.replay import EventsLost
+from tests.engine_model import Req, t
+from tests.test_wrapper_properties import Engine
+
+REPO = Path(__file__).resolve().parents[2]
+LOGGER = "instrumented_alloc.recorder"
+
+
+# -- driving a random engine -------------------------------------------------------------------------------
+class DrawPick:
+    def __init__(self, data):
+        self.data = data
+
+    def choice(self, items):
+        return self.data.draw(st.sampled_from(items))
+
+    def int(self, lo, hi):
+        return self.data.draw(st.integers(lo, hi))
+
+    def subset(self, items, lo, hi):
+        return self.data.draw(st.lists(st.sampled_from(items), min_size=lo, max_size=hi, unique_by=lambda r: r.rid))
+
+
+class RandomPick:
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def choice(self, items):
+        return self.rng.choice(list(items))
+
+    def int(self, lo, hi):
+        return self.rng.randint(lo, hi)
+
+    def subset(self, items, lo, hi):
+        return self.rng.sample(list(items), self.rng.randint(lo, min(hi, len(items))))
+
+
+def drive(e: Engine, pick, n_ops: int, on_step=None, *, clear: bool = False) -> None:
+    """Random engine-like operations (extends, decodes, SWA evictions, rollbacks, frees, releases, free groups,
+    merges, preallocs, steps, and with ``clear`` the allocator's clear()); ``on_step(e)`` runs right after each
+    ``alloc.step()``."""
+    ps = e.ps
+    for _ in range(n_ops):
+        live = list(e.reqs.values())
+        ops = ["extend_new", "step", "step"]
+        if live:
+            ops += ["extend_more", "decode", "decode", "finish", "rollback"]
+        if e.kind == "swa" and live:
+            ops += ["evict"]
+        if ps > 1 and e.kind in ("swa", "paged", "hisparse"):
+            ops += ["prealloc"]
+        if e.inner.need_sort and e.kind in ("token", "paged"):
+            ops += ["merge"]
+        if len(live) >= 2:
+            ops += ["group"]
+        if live and clear:
+            ops += ["clear"]
+        op = pick.choice(ops)
+        if op == "extend_new":
+            k = pick.int(1, 3)
+            e.extend([Req(e.new_rid()) for _ in range(k)], [pick.int(1, 3 * ps + 3) for _ in range(k)])
+        elif op == "extend_more":
+            reqs = pick.subset(live, 1, 3)
+            e.extend(reqs, [pick.int(1, 2 * ps + 1) for _ in reqs])
+        elif op == "decode":
+            reqs = [r for r in live if r.row]
+            if reqs:
+                e.decode(pick.subset(reqs, 1, len(reqs)))
+        elif op == "finish":
+            r = pick.choice(live)
+            e.finish(r, pick.choice([True, False]))
+            e.w.release_request(r.rid)
+        elif op == "group":
+            rs = pick.subset(live, 2, 3)
+            e.both("free_group_begin")
+            for r in rs:
+                e.finish(r, pick.choice([True, False]))
+            e.both("free_group_end")
+            for r in rs:
+                e.w.release_request(r.rid)
+        elif op == "rollback":
+            r = pick.choice(live)
+            if r.row:
+                e.rollback(r, pick.int(1, 2))
+        elif op == "evict":
+            e.evict(pick.choice(live))
+        elif op == "prealloc":
+            e.prealloc(pick.int(1, 4 * ps + 3))
+        elif op == "merge":
+            e.both("merge_and_sort_free")
+        elif op == "clear":
+            e.both("clear")  # every page free again; the live requests' ledger rows are reset
+            for r in live:
+                e.w.release_request(r.rid)
+            e.reqs.clear()
+        else:
+            e.w.step()
+            if on_step is not None:
+                on_step(e)
+
+
+def ledger_rows(snaps) -> dict:
+    led = next(iter(snaps.values())).ledger
+    return {r: (int(a), int(c), int(x)) for r, a, c, x in zip(led.rids, led.allocated, led.committed, led.evicted)}
+
+
+def assert_state_equals(state, snaps, step) -> None:
+    assert state.step == step
+    assert sorted(state.owners) == sorted(snaps)
+    for pool, snap in snaps.items():
+        assert state.owners[pool].dtype == np.int32
+        bad = np.flatnonzero(state.owners[pool] != snap.owner)
+        assert bad.size == 0, f"step {step} pool {pool}: pages {bad[:8].tolist()} differ"
+    assert {r: tuple(v) for r, v in state.ledger.items()} == ledger_rows(snaps), f"step {step}: ledger"
+    owner_rids: dict = {}
+    for pool in snaps:
+        owner_rids.update(state.rids_in(pool))
+    assert owner_rids == next(iter(snaps.values())).slot_rids, f"step {step}: page owners' request ids"
+
+
+def warnings_of(caplog) -> list:
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- (a) replay equals the live snapshots -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["paged-4", "swa-4", "swa-1", "token-1", "hisparse-4"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_state_at_equals_live_snapshots(name, data):
+    need_sort = data.draw(st.booleans(), label="need_sort")
+    verify = data.draw(st.sampled_from(["immediate", "deferred"]), label="verify")
+    e = Engine(name, need_sort, verify)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "rec.db")
+        rec = FlightRecorder(e.w, path, snapshot_every=7, flush_interval=0.05)
+        expected = {0: e.w.snapshot()}
+
+        def on_step(e):
+            if data.draw(st.booleans(), label="check this step"):
+                expected[e.w.step_count] = e.w.snapshot()
+
+        try:
+            drive(e, DrawPick(data), data.draw(st.integers(5, 60), label="ops"), on_step, clear=True)
+            e.w.step()
+            expected[e.w.step_count] = e.w.snapshot()
+        finally:
+            rec.close()  # also when hypothesis stops an example half-way
+        assert e.w.bus.dropped["recorder"] == 0 and rec.failed is None
+        assert os.listdir(d) == ["rec.db"]  # a finished recording is one file (no -wal / -shm left)
+        with Recording(path) as r:
+            assert r.steps() == (0, e.w.step_count)
+            assert r.snapshot_steps() == [0, *range(7, e.w.step_count + 1, 7)]
+            for step, snaps in expected.items():
+                assert_state_equals(r.state_at(step), snaps, step)
+            assert r.violations() == list(e.w.violations) == []
+
+
+# -- the row codec ---------------------------------------------------------------------------------------------
+def test_every_event_kind_round_trips():
+    i8 = lambda *x: np.array(x, np.int64)  # noqa: E731
+    v = Violation(
+        "double_free", "m", pool="full", rid="a", step=3, op="free", ts=1.5, trace_id="ab", severity="critical"
+    )
+    samples = [
+        ev.Alloc(
+            seq=1, ts=0.5, step=2, op="alloc_extend", pool="full", n_slots=8, n_pages=2, rids=("a", 7), duration=1e-6
+        ),
+        ev.AllocFailed(seq=2, ts=0.5, step=2, op="alloc", pool="full", requested=9, available=4, rids=("a",)),
+        ev.Free(seq=3, ts=0.5, step=2, op="free", pool="swa", n_pages=2, rids=("b",)),
+        ev.SwaEvict(seq=4, ts=0.5, step=2, rid="a", old=0, new=8, n_pages=2),
+        ev.LedgerWrite(seq=5, ts=0.5, step=2, rid=12, field="kv_committed_len", old=1, new=2),
+        ev.RequestReleased(seq=6, ts=0.5, step=2, rid="a", pages_held=0, pages_peak=3),
+        ev.ViolationEvent(seq=7, ts=0.5, step=3, violation=v),
+        ev.PageUpdate(
+            seq=8, ts=0.5, step=3, op="free", pool="full", pages=i8(*range(2000)), owners=np.full(2000, -6, np.int32)
+        ),
+        ev.PageUpdate(seq=9, ts=0.5, step=3, op="x", pool="full", pages=i8(), owners=np.zeros(0, np.int32)),
+        ev.LedgerUpdate(
+            seq=10,
+            ts=0.5,
+            step=3,
+            op="alloc_decode",
+            rids=("a", "b"),
+            slots=i8(0, 1),
+            allocated=i8(8, 2**40),
+            committed=i8(5, 1),
+            evicted=i8(0, 0),
+        ),
+        ev.StepBoundary(seq=11, ts=0.5, step=4, available={"full": 3, "swa": 5}),
+        EventsLost(seq=20, ts=0.5, step=4, first_seq=12, last_seq=20, n_events=9),
+    ]
+    cache: dict = {}
+    for e in samples:
+        kind, _, payload = encode_event(e, cache)
+        assert kind == type(e).__name__
+        back = decode_event(kind, e.seq, e.step, e.ts, payload)
+        assert type(back) is type(e)
+        for f in e.__dataclass_fields__:
+            a, b = getattr(e, f), getattr(back, f)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), (kind, f)
+            else:
+                assert a == b, (kind, f, a, b)
+    assert (
+        encode_event(samples[3])[1] == "a"
+        and encode_event(samples[6])[1] == "a"
+        and encode_event(samples[0])[1] is None
+    )
+    assert len(encode_event(samples[7])[2]) < 16000 // 4  # large arrays are stored compressed
+    # Request ids other than str / int are stored as their repr.
+    odd = ev.Free(seq=1, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=(("t", 1), None, 2.5))
+    kind, _, payload = encode_event(odd)
+    assert decode_event(kind, 1, 0, 0.0, payload).rids == ("('t', 1)", None, "2.5")
+
+
+def test_attached_mid_run_and_event_ranges(tmp_path):
+    e = Engine("swa-4", True, "deferred")
+    pick = RandomPick(4)
+    drive(e, pick, 40)
+    start = e.w.step_count
+    snaps = {start: e.w.snapshot()}
+    path = tmp_path / "mid.db"
+    with FlightRecorder(e.w, path, snapshot_every=4):
+        drive(e, pick, 60, lambda e: snaps.__setitem__(e.w.step_count, e.w.snapshot()))
+        e.w.step()
+        snaps[e.w.step_count] = e.w.snapshot()
+    with Recording(path) as r:
+        assert r.meta["initial_step"] == start and r.steps() == (start, e.w.step_count)
+        for step, s in snaps.items():
+            assert_state_equals(r.state_at(step), s, step)
+        everything = list(r.events())
+        seqs = [x.seq for x in everything]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        mid = (start + e.w.step_count) // 2
+        lo, hi = list(r.events(stop=mid)), list(r.events(start=mid))
+        assert [x.seq for x in lo + hi] == seqs
+        assert all(x.step < mid for x in lo) and all(x.step >= mid for x in hi)
+        boundaries = list(r.events(kinds=[ev.StepBoundary]))
+        assert [b.step for b in boundaries] == list(range(start + 1, e.w.step_count + 1))
+
+
+class _CopyInFlight:
+    """Stands for a CUDA event of a device->host copy that has not landed yet (what verify="deferred" waits on)."""
+
+    def __init__(self):
+        self.done = False
+        self.synchronized = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.synchronized = True
+        self.done = True
+
+
+def test_snapshot_never_waits_for_device_checks(tmp_path):
+    e = Engine("paged-4", False, "deferred")
+    path = tmp_path / "pending.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=2)
+    drive(e, RandomPick(9), 10)
+    copy = _CopyInFlight()
+    e.w._w_pending.append((lambda: None, [], copy, "test"))  # a deferred check whose device copy is in flight
+    e.w.step()
+    if e.w.step_count % 2:
+        e.w.step()
+    at = e.w.step_count  # a snapshot step, reached while the copy is in flight
+    live = e.w.snapshot(wait=False)
+    assert not copy.synchronized and not copy.done  # the recorder did not make the engine thread wait
+    copy.done = True
+    e.w.step()
+    after = e.w.snapshot()
+    rec.close()
+    with Recording(path) as r:
+        assert at in r.snapshot_steps()
+        assert_state_equals(r.state_at(at), live, at)
+        assert_state_equals(r.state_at(at + 1), after, at + 1)
+
+
+# -- (b) violations --------------------------------------------------------------------------------------------
+def test_violations_round_trip_and_are_committed_at_once(tmp_path):
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "rec.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=5, flush_interval=3600.0, meta={"preset": "dense", "rank": 3})
+    a, b = Req("a"), Req("b")
+    e.extend([a, b], [6, 9])
+    e.w.step()
+    e.w.step()
+    page = b.row[0] // e.ps
+    e.both("free_page_ids", t([page, page]))  # the same page twice in one call: a double free, owner known
+    step = e.w.step_count
+    live = list(e.w.violations)
+    assert [(v.invariant, v.rid, v.step) for v in live] == [("double_free", "b", step)]
+    with Recording(path) as r:
+        # Ordinary events wait for the (hour-long) commit interval; the violation's transaction is committed now.
+        wait_for(lambda: r.violations() != [], 5.0, "the violation to be committed")
+        assert r.violations() == live
+        got = r.violations()[0]
+        assert (got.invariant, got.rid, got.step, got.op, got.pool) == (
+            "double_free",
+            "b",
+            step,
+            "free_page_ids",
+            "full",
+        )
+        assert r.violations(start=step + 1) == [] and r.violations(stop=step) == []
+        kinds = [type(x).__name__ for x in r.events(kinds=["ViolationEvent"])]
+        assert kinds == ["ViolationEvent"]
+        rec.close()
+        meta = r.meta
+    assert meta["preset"] == "dense" and meta["rank"] == 3 and meta["page_size"] == 4
+    assert meta["pools"] == [{"name": "full", "num_pages": e.inner.num_pages, "page_size": 4}]
+    assert meta["end_time"] >= meta["start_time"] and meta["events_dropped"] == 0
+
+
+# -- (c) a reader follows a live writer ---------------------------------------------------------------------------
+def test_reader_follows_a_live_writer(tmp_path):
+    e = Engine("swa-4", False, "immediate")
+    path = tmp_path / "live.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=4, flush_interval=0.02)
+    r = Recording(path)  # opened before the first event
+    assert r.steps() == (0, 0)
+    pick = RandomPick(1)
+    snaps: dict = {}
+
+    def on_step(e):
+        snaps[e.w.step_count] = e.w.snapshot()
+
+    for _ in range(3):
+        snaps.clear()
+        drive(e, pick, 40, on_step)
+        e.w.step()
+        snaps[e.w.step_count] = e.w.snapshot()
+        last = e.w.step_count
+        wait_for(lambda last=last: r.steps()[1] >= last, 10.0, f"step {last} to be committed")
+        for step, s in snaps.items():
+            assert_state_equals(r.state_at(step), s, step)
+    rec.close()
+    assert r.steps()[1] == e.w.step_count and "end_time" in r.meta
+    r.close()
+
+
+# -- (d) a killed writer -----------------------------------------------------------------------------------------
+CHILD = """
+import json, sys, time
+from exporters.recorder import FlightRecorder
+from tests.exporters.test_recorder import RandomPick, drive, ledger_rows
+from tests.test_wrapper_properties import Engine
+
+path = sys.argv[1]
+e = Engine("swa-4", False, "immediate")
+rec = FlightRecorder(e.w, path, snapshot_every=5, flush_interval=0.005)
+pick = RandomPick(7)
+drive(e, pick, 60)
+e.w.step()
+snaps = e.w.snapshot()
+assert rec.flush()
+expected = {"step": e.w.step_count, "owners": {p: s.owner.tolist() for p, s in snaps.items()},
+            "ledger": [[r, *v] for r, v in ledger_rows(snaps).items()]}
+with open(path + ".expected.json", "w") as f:
+    json.dump(expected, f)
+print("ready", flush=True)
+while True:
+    drive(e, pick, 20)
+    time.sleep(0.001)
+"""
+
+
+def test_killed_writer_leaves_a_readable_recording(tmp_path):
+    path = str(tmp_path / "killed.db")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, path], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)  # never hang on a stuck child
+        line = child.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            child.kill()
+            pytest.fail(f"the recording child never got ready: {child.stderr.read().decode()[-3000:]}")
+        time.sleep(0.3)  # it keeps writing: the kill lands mid-run
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    assert child.returncode == -signal.SIGKILL
+    assert os.path.exists(path + "-wal")  # cut off in WAL mode, never closed
+    with open(path + ".expected.json") as f:
+        expected = json.load(f)
+    with Recording(path) as r:
+        assert "end_time" not in r.meta
+        first, last = r.steps()
+        assert first == 0 and last > expected["step"]
+        s = r.state_at(expected["step"])
+        for pool, owner in expected["owners"].items():
+            assert s.owners[pool].tolist() == owner
+        assert {k: tuple(v) for k, v in s.ledger.items()} == {r_[0]: tuple(r_[1:]) for r_ in expected["ledger"]}
+        end = r.state_at(last)  # the last complete transaction replays
+        assert end.step == last and r.violations() == []
+        assert sum(1 for _ in r.events()) > 0
+
+
+# -- (e) files that are not recordings ----------------------------------------------------------------------------
+def test_not_a_recording_is_a_clear_error(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(np.random.default_rng(0).bytes(8192))
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE things (x)")
+    fake = tmp_path / "fake.db"
+    with sqlite3.connect(fake) as c:
+        for name in ("meta (key, value)", "events (x)", "violations (x)", "snapshots (x)"):
+            c.execute(f"CREATE TABLE {name}")
+        c.execute("INSERT INTO meta VALUES ('format', '\"something-else\"')")
+    for p in (junk, empty, other, fake, tmp_path):
+        with pytest.raises(RecordingError) as info:
+            Recording(p)
+        assert str(p) in str(info.value)
+        assert isinstance(info.value, ValueError)
+    missing = tmp_path / "missing.db"
+    with pytest.raises(RecordingNotFoundError) as info:
+        Recording(missing)
+    assert str(missing) in str(info.value) and isinstance(info.value, FileNotFoundError)
+    assert not missing.exists()  # the reader never creates a file
+    assert empty.stat().st_size == 0
+
+
+def test_missing_step_is_a_clear_error(tmp_path):
+    e = Engine("paged-4", False, "immediate")
+    with FlightRecorder(e.w, tmp_path / "r.db", snapshot_every=2) as rec:
+        for _ in range(3):
+            e.w.step()
+    assert rec.failed is None
+    with (
+        Recording(tmp_path / "r.db") as r,
+        pytest.raises(ValueError, match=r"step 9 is not in the recording \(steps 0..3\)"),
+    ):
+        r.state_at(9)
+
+
+# -- (f) write faults ----------------------------------------------------------------------------------------
+def test_unwritable_path_fails_at_construction(tmp_path):
+    e = Engine("paged-4", False, "immediate")
+    sinks_before = e.w.bus.sinks
+    for bad in (tmp_path / "no-such-dir" / "r.db", tmp_path):
+        with pytest.raises(RecorderError) as info:
+            FlightRecorder(e.w, bad)
+        assert str(bad) in str(info.value)
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("precious")
+    with pytest.raises(RecorderError, match="not a recording"):
+        FlightRecorder(e.w, foreign)
+    assert foreign.read_text() == "precious"
+    assert e.w.bus.sinks == sinks_before  # nothing stays subscribed after a failed construction
+    FlightRecorder(e.w, tmp_path / "r.db").close()
+    with pytest.raises(RecorderError, match="overwrite=True"):
+        FlightRecorder(e.w, tmp_path / "r.db")
+    FlightRecorder(e.w, tmp_path / "r.db", overwrite=True).close()
+    with pytest.raises(ValueError, match="snapshot_every"):
+        FlightRecorder(e.w, tmp_path / "x.db", snapshot_every=0)
+    with pytest.raises(ValueError, match="written by the recorder"):
+        FlightRecorder(e.w, tmp_path / "x.db", meta={"pools": 1})
+
+
+def _run_until_failure(e: Engine, rec: FlightRecorder, snaps: dict, pick) -> None:
+    def on_step(e):
+        snaps[e.w.step_count] = e.w.snapshot()
+
+    deadline = time.monotonic() + 30
+    while rec.failed is None:
+        assert time.monotonic() < deadline, "the writer never failed"
+        drive(e, pick, 30, on_step)
+        rec.flush(2.0)
+    drive(e, pick, 60, on_step)  # the allocator keeps working: Engine.both checks every result against the twin
+    e.w.step()
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "file_deleted"])
+def test_write_fault_mid_run_stops_recording_quietly(tmp_path, monkeypatch, caplog, fault):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    if fault == "disk_full":
+        real = recorder_mod._open_writer
+
+        def tiny_disk(path):
+            conn = real(path)
+            conn.execute("PRAGMA max_page_count = 40")  # SQLite then reports "database or disk is full"
+            return conn
+
+        monkeypatch.setattr(recorder_mod, "_open_writer", tiny_disk)
+    e = Engine("swa-4", False, "immediate")
+    path = tmp_path / "fault.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=3, flush_interval=0.01)
+    if fault == "file_deleted":
+        for suffix in ("", "-wal", "-shm"):
+            os.remove(str(path) + suffix)
+    snaps = {0: e.w.snapshot()}
+    _run_until_failure(e, rec, snaps, RandomPick(3))
+    assert len(warnings_of(caplog)) == 1
+    message = warnings_of(caplog)[0].getMessage()
+    assert str(path) in message and ("full" in message if fault == "disk_full" else "deleted" in message)
+    assert e.w.bus.dropped["recorder"] > 0
+    assert list(e.w.violations) == []
+    rec.close()
+    assert len(warnings_of(caplog)) == 1  # closing does not warn again
+    if fault == "disk_full":
+        with Recording(path) as r:  # what was committed stays readable and right
+            _, last = r.steps()
+            assert last < e.w.step_count
+            assert_state_equals(r.state_at(last), snaps[last], last)
+
+
+# -- (g) retention --------------------------------------------------------------------------------------------------
+def test_retention_by_events_keeps_replay_working(tmp_path):
+    e = Engine("swa-4", False, "immediate")
+    path = tmp_path / "ret.db"
+    max_events = 150
+    rec = FlightRecorder(e.w, path, snapshot_every=50, max_events=max_events, flush_interval=0.01)
+    a = Req(e.new_rid())
+    e.extend([a], [8])
+    e.w.ledger[a.rid].kv_allocated_len += 1  # an early (rejected) write: retention keeps its violation
+    early = list(e.w.violations)
+    assert [v.invariant for v in early] == ["kv_allocated_len_page_aligned"]
+    snaps: dict = {}
+
+    def on_step(e):
+        snaps[e.w.step_count] = e.w.snapshot()
+        if e.w.step_count % 10 == 0:
+            rec.flush()  # let retention run while the run goes on
+
+    drive(e, RandomPick(11), 400, on_step)
+    rec.close()
+    assert e.w.bus.dropped["recorder"] == 0
+    with Recording(path) as r:
+        first, last = r.steps()
+        assert last == e.w.step_count and first > 20
+        n = sum(1 for _ in r.events())
+        assert n <= 2 * max_events
+        assert list(r.events(stop=first)) == []
+        assert r.violations() == early
+        for step in range(first, last + 1):
+            if step in snaps:
+                assert_state_equals(r.state_at(step), snaps[step], step)
+        with pytest.raises(ValueError, match="not in the recording"):
+            r.state_at(first - 1)
+
+
+def test_retention_by_bytes_bounds_the_file(tmp_path):
+    def run(max_bytes):
+        e = Engine("paged-16", False, "immediate")
+        path = tmp_path / f"b{max_bytes}.db"
+        rec = FlightRecorder(e.w, path, snapshot_every=1000, max_bytes=max_bytes, flush_interval=0.01)
+        snaps: dict = {}
+
+        def on_step(e):
+            snaps[e.w.step_count] = e.w.snapshot()
+            if e.w.step_count % 10 == 0:
+                rec.flush()
+
+        drive(e, RandomPick(5), 600, on_step)
+        rec.close()
+        return path, snaps, e
+
+    unbounded, _, _ = run(None)
+    path, snaps, e = run(128 * 1024)
+    assert unbounded.stat().st_size > 3 * 128 * 1024
+    assert path.stat().st_size <= 2 * 128 * 1024
+    with Recording(path) as r:
+        first, last = r.steps()
+        assert first > 0 and last == e.w.step_count
+        for step in (first, (first + last) // 2, last):
+            assert_state_equals(r.state_at(step), snaps[step], step)
+
+
+# -- the bounded queue: a full queue drops, never blocks, and replay does not cross the gap ---------------------------
+def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "q.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=1000, queue_size=2, flush_interval=0.01)
+    gate, entered = threading.Event(), threading.Event()
+    real_write = rec._write
+
+    def stuck_write(*item):
+        entered.set()
+        gate.wait(10)
+        return real_write(*item)
+
+    monkeypatch.setattr(rec, "_write", stuck_write)
+    snaps: dict = {}
+    pick = RandomPick(2)
+
+    def on_step(e):
+        snaps[e.w.step_count] = e.w.snapshot()
+
+    e.w.step()
+    on_step(e)
+    assert entered.wait(5)  # the writer holds the first batch and takes nothing more until the gate opens
+    drive(e, pick, 40, on_step)
+    assert e.w.bus.dropped["recorder"] > 0  # the writer is stuck: the sink refused, the engine went on
+    rec._queue.maxsize = 10000  # from here on the writer keeps up: exactly one gap
+    gate.set()
+    assert rec.flush()
+    drive(e, pick, 40, on_step)
+    e.w.step()
+    on_step(e)
+    rec.close()
+    with Recording(path) as r:
+        lost = list(r.events(kinds=["EventsLost"]))
+        assert len(lost) == 1 and lost[0].n_events > 0
+        assert r.meta["events_dropped"] == e.w.bus.dropped["recorder"]
+        resync = [s for s in r.snapshot_steps() if s > 0]
+        assert resync and resync[0] >= lost[0].step, "a snapshot after the gap lets replay resume"
+        missing = []
+        for step, s in snaps.items():
+            try:
+                state = r.state_at(step)
+            except ValueError:
+                missing.append(step)
+                continue
+            assert_state_equals(state, s, step)
+        assert missing and missing == list(range(missing[0], resync[0]))  # the steps whose boundaries were dropped
