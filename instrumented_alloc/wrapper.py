@@ -913,34 +913,21 @@ class InstrumentedAllocator:
             return result
 
     def free_group_begin(self):
-        inner = self._w_inner
-        if self._w_off:
-            return inner.free_group_begin()
-        with self._w_lock:
-            self._w_op = "free_group_begin"
-            result = inner.free_group_begin()
-            self._slot_tier(self._group_begin)
-            return result
+        return self._forward_then_mirror("free_group_begin", self._group_begin)
 
     def free_group_end(self):
-        inner = self._w_inner
-        if self._w_off:
-            return inner.free_group_end()
-        with self._w_lock:
-            self._w_op = "free_group_end"
-            result = inner.free_group_end()
-            self._slot_tier(self._group_end)
-            self._finish()
-            return result
+        return self._forward_then_mirror("free_group_end", self._group_end)
 
     def merge_and_sort_free(self):
-        inner = self._w_inner
-        if self._w_off:
-            return inner.merge_and_sort_free()
+        return self._forward_then_mirror("merge_and_sort_free", self._merged)
+
+    def _forward_then_mirror(self, name: str, mirror: Callable):
+        """Argument-free state transitions: forward, then mirror them in the shadow in call order."""
         with self._w_lock:
-            self._w_op = "merge_and_sort_free"
-            result = inner.merge_and_sort_free()
-            self._slot_tier(self._merged)
+            self._w_op = name
+            result = getattr(self._w_inner, name)()
+            self._slot_tier(mirror)
+            self._finish()
             return result
 
     def clear(self):
