@@ -260,7 +260,8 @@ class InstrumentedAllocator:
         s(self, "_w_op", "")
         self._sync_deltas()
         if mode == "off":
-            # Off: the inner's own bound methods, so a call costs exactly what the bare call costs.
+            # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
+            # instrumented methods below are never reached in this mode).
             for name in INSTRUMENTED_OPS:
                 method = getattr(inner, name, None)
                 if method is not None:
@@ -486,8 +487,6 @@ class InstrumentedAllocator:
     # -- allocation ops ---------------------------------------------------------------------------------------
     def alloc(self, need_size: int):
         inner = self._w_inner
-        if self._w_off:
-            return inner.alloc(need_size)
         with self._w_lock:
             op = "alloc"
             self._w_op = op
@@ -562,10 +561,6 @@ class InstrumentedAllocator:
         **kwargs,
     ):
         inner = self._w_inner
-        if self._w_off:
-            return inner.alloc_extend(
-                prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, *args, **kwargs
-            )
         return self._extend(
             "alloc_extend",
             inner.alloc_extend,
@@ -576,8 +571,6 @@ class InstrumentedAllocator:
     def alloc_logical_only(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
         inner = self._w_inner
         args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
-        if self._w_off:
-            return inner.alloc_logical_only(*args)
         return self._extend("alloc_logical_only", inner.alloc_logical_only, args, {}, swa=False)
 
     def alloc_extend_swa_tail(
@@ -585,8 +578,6 @@ class InstrumentedAllocator:
     ):
         inner = self._w_inner
         args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
-        if self._w_off:
-            return inner.alloc_extend_swa_tail(*args, swa_tail_len)
         return self._extend("alloc_extend_swa_tail", inner.alloc_extend_swa_tail, args, {}, tail=swa_tail_len)
 
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
@@ -692,8 +683,6 @@ class InstrumentedAllocator:
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         inner = self._w_inner
-        if self._w_off:
-            return inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         with self._w_lock:
             op = "alloc_decode"
             self._w_op = op
@@ -780,8 +769,6 @@ class InstrumentedAllocator:
     # -- free ops ---------------------------------------------------------------------------------------------
     def free(self, free_index):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free(free_index)
         with self._w_lock:
             op = "free"
             self._w_op = op
@@ -795,8 +782,6 @@ class InstrumentedAllocator:
 
     def free_full(self, free_index):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_full(free_index)
         with self._w_lock:
             op = "free_full"
             self._w_op = op
@@ -810,8 +795,6 @@ class InstrumentedAllocator:
 
     def free_page_ids(self, page_ids):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_page_ids(page_ids)
         with self._w_lock:
             op = "free_page_ids"
             self._w_op = op
@@ -823,8 +806,6 @@ class InstrumentedAllocator:
 
     def free_segment(self, free_index, *, start_pos):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_segment"
             self._w_op = op
@@ -838,8 +819,6 @@ class InstrumentedAllocator:
 
     def free_full_segment(self, free_index, *, start_pos):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_full_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_full_segment"
             self._w_op = op
@@ -855,8 +834,6 @@ class InstrumentedAllocator:
 
     def free_swa(self, free_index):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_swa(free_index)
         with self._w_lock:
             op = "free_swa"
             self._w_op = op
@@ -867,8 +844,6 @@ class InstrumentedAllocator:
 
     def free_swa_segment(self, free_index, *, start_pos):
         inner = self._w_inner
-        if self._w_off:
-            return inner.free_swa_segment(free_index, start_pos=start_pos)
         with self._w_lock:
             op = "free_swa_segment"
             self._w_op = op
@@ -881,22 +856,16 @@ class InstrumentedAllocator:
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's
         own loop would call its own ``free_segment`` and bypass the checks)."""
-        if self._w_off:
-            return self._w_inner.free_segments(segments)
         for free_index, start_pos in page_disjoint(segments, self._w_ps):
             self.free_segment(free_index, start_pos=start_pos)
 
     def free_full_segments(self, segments):
-        if self._w_off:
-            return self._w_inner.free_full_segments(segments)
         for free_index, start_pos in page_disjoint(segments, self._w_ps):
             self.free_full_segment(free_index, start_pos=start_pos)
 
     def resize(self, config):
         """Forwarded, then every pool's shadow is rebuilt for the new size (the inner clears itself)."""
         inner = self._w_inner
-        if self._w_off:
-            return inner.resize(config)
         with self._w_lock:
             self._w_op = "resize"
             self._drain(wait=True)
@@ -932,8 +901,6 @@ class InstrumentedAllocator:
 
     def clear(self):
         inner = self._w_inner
-        if self._w_off:
-            return inner.clear()
         with self._w_lock:
             self._w_op = "clear"
             # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
