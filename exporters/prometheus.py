@@ -155,13 +155,14 @@ class _Sink:
     """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under)."""
 
     name = SINK_NAME
-    # What the counters and histograms read: the wrapper then skips building page and ledger deltas for us.
-    event_types = frozenset(
-        {ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased, ev.StepBoundary}
-    )
+    # What the counters and histograms read: the wrapper then skips building what we ignore (page and ledger
+    # deltas; step boundaries too unless multiprocess gauges refresh on them).
+    event_types = frozenset({ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased})
 
     def __init__(self, exporter: PrometheusExporter):
         self._exporter = exporter
+        if exporter.multiprocess:
+            self.event_types = self.event_types | {ev.StepBoundary}
 
     def __call__(self, batch) -> bool | None:
         return self._exporter._on_batch(batch)

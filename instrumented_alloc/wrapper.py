@@ -89,6 +89,16 @@ _TAINTING = frozenset(
 _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
 
 
+class _CallState:
+    __slots__ = ("events", "op", "seq", "step")
+
+    def __init__(self):
+        self.step = 0  # the step counter
+        self.seq = 0  # the last event's seq
+        self.events: list = []  # events of the call in progress
+        self.op = ""  # the op whose page updates are being published
+
+
 class _Pool:
     """One pool's allocator object and the shadow of its pages."""
 
@@ -214,9 +224,9 @@ class InstrumentedAllocator:
         s(self, "_w_raise", mode == "raise")
         s(self, "_w_clock", clock)
         s(self, "_w_lock", threading.RLock())
-        s(self, "_w_step", 0)
-        s(self, "_w_seq", 0)
-        s(self, "_w_events", [])
+        # Per-call mutable state lives on a plain slotted object: assigning wrapper attributes goes through the
+        # forwarding __setattr__, which costs a Python call on the hot path.
+        s(self, "_w_st", _CallState())
         s(self, "_w_to_raise", [])
         s(self, "_w_pending", deque())
         s(self, "_w_tls", threading.local())  # batch() binding is per thread
@@ -257,7 +267,6 @@ class InstrumentedAllocator:
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
-        s(self, "_w_op", "")
         self._sync_deltas()
         if mode == "off":
             # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
@@ -296,7 +305,7 @@ class InstrumentedAllocator:
     # -- public API beyond SGLang's ---------------------------------------------------------------------------
     @property
     def step_count(self) -> int:
-        return self._w_step
+        return self._w_st.step
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -329,6 +338,7 @@ class InstrumentedAllocator:
             elif not want:
                 p.shadow.deltas = None
         object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
+        object.__setattr__(self, "_w_want_pages", want)
 
     @contextlib.contextmanager
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
@@ -364,7 +374,7 @@ class InstrumentedAllocator:
         with self._w_lock:
             if rid not in self.ledger:
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"))
-            self._w_op = "release"
+            self._w_st.op = "release"
             self._slot_tier(lambda: self._do_release(rid))
             self._finish()
 
@@ -374,23 +384,20 @@ class InstrumentedAllocator:
         if self._w_off:
             return
         with self._w_lock:
-            self._w_step += 1
-            self._w_op = "step"
+            self._w_st.step += 1
+            self._w_st.op = "step"
             self._drain(wait=False)
             if not self._w_pending:
                 self._boundary_checks("step")
             if self.bus.active:
                 self._flush_deltas()
+            if self.bus.wants(ev.StepBoundary):
                 self._emit(
                     ev.StepBoundary,
                     available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
                 )
-                if (
-                    self._w_snapshot_every
-                    and self._w_step % self._w_snapshot_every == 0
-                    and self.bus.wants(ev.Snapshot)
-                ):
-                    self._emit_snapshots()
+            if self._w_snapshot_every and self._w_st.step % self._w_snapshot_every == 0 and self.bus.wants(ev.Snapshot):
+                self._emit_snapshots()
             self._finish()
 
     def flush(self) -> None:
@@ -398,7 +405,7 @@ class InstrumentedAllocator:
         if self._w_off:
             return
         with self._w_lock:
-            self._w_op = "flush"
+            self._w_st.op = "flush"
             self._drain(wait=True)
             self._boundary_checks("flush", every_request=True)
             self._finish()
@@ -410,7 +417,7 @@ class InstrumentedAllocator:
             return []
         with self._w_lock:
             before = sum(self.violation_counts.values())
-            self._w_op = "sweep"
+            self._w_st.op = "sweep"
             self._drain(wait=True)
             found = []
             for pool in self._w_pools.values():
@@ -455,7 +462,7 @@ class InstrumentedAllocator:
                     page_size=p.page_size,
                     num_pages=p.shadow.num_pages,
                     owner=p.shadow.owner.copy(),
-                    step=self._w_step,
+                    step=self._w_st.step,
                     ledger=lsnap,
                     slot_rids=owner_slots,
                 )
@@ -489,7 +496,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "alloc"
-            self._w_op = op
+            self._w_st.op = op
             n = self._validate(op, check_int, "need_size", need_size)
             bound = self._w_bound
             if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
@@ -582,7 +589,7 @@ class InstrumentedAllocator:
 
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
         with self._w_lock:
-            self._w_op = op
+            self._w_st.op = op
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
             trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor
             if trusted:
@@ -685,7 +692,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "alloc_decode"
-            self._w_op = op
+            self._w_st.op = op
             if self._w_inner_checks and type(seq_lens) is torch.Tensor:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
@@ -762,7 +769,7 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 if swa_pool is not None:
                     self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-            if self._w_events or self._w_to_raise:
+            if self._w_st.events or self._w_to_raise:
                 self._finish()
             return out
 
@@ -771,7 +778,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free"
-            self._w_op = op
+            self._w_st.op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0:
                 return inner.free(free_index)
@@ -784,7 +791,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_full"
-            self._w_op = op
+            self._w_st.op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0:
                 return inner.free_full(free_index)
@@ -797,7 +804,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_page_ids"
-            self._w_op = op
+            self._w_st.op = op
             self._validate(op, check_index_tensor, "page_ids", page_ids, self._w_device)
             if page_ids.numel() == 0:
                 return inner.free_page_ids(page_ids)
@@ -808,7 +815,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_segment"
-            self._w_op = op
+            self._w_st.op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0:
                 return inner.free_segment(free_index, start_pos=start_pos)
@@ -821,7 +828,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_full_segment"
-            self._w_op = op
+            self._w_st.op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0:
                 return inner.free_full_segment(free_index, start_pos=start_pos)
@@ -836,7 +843,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_swa"
-            self._w_op = op
+            self._w_st.op = op
             self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
             if free_index.numel() == 0 or self._w_swa is None:
                 return inner.free_swa(free_index)
@@ -846,7 +853,7 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             op = "free_swa_segment"
-            self._w_op = op
+            self._w_st.op = op
             self._segment_args(op, free_index, start_pos)
             if free_index.numel() == 0 or self._w_swa is None:
                 return inner.free_swa_segment(free_index, start_pos=start_pos)
@@ -867,7 +874,7 @@ class InstrumentedAllocator:
         """Forwarded, then every pool's shadow is rebuilt for the new size (the inner clears itself)."""
         inner = self._w_inner
         with self._w_lock:
-            self._w_op = "resize"
+            self._w_st.op = "resize"
             self._drain(wait=True)
             result = inner.resize(config)
             led = self.ledger
@@ -893,7 +900,7 @@ class InstrumentedAllocator:
     def _forward_then_mirror(self, name: str, mirror: Callable):
         """Argument-free state transitions: forward, then mirror them in the shadow in call order."""
         with self._w_lock:
-            self._w_op = name
+            self._w_st.op = name
             result = getattr(self._w_inner, name)()
             self._slot_tier(mirror)
             self._finish()
@@ -902,7 +909,7 @@ class InstrumentedAllocator:
     def clear(self):
         inner = self._w_inner
         with self._w_lock:
-            self._w_op = "clear"
+            self._w_st.op = "clear"
             # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
@@ -997,7 +1004,7 @@ class InstrumentedAllocator:
 
     def _free(self, op: str, forward: Callable, parts: list):
         """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""
-        self._w_op = op
+        self._w_st.op = op
         timing = [0.0]  # wall time of the inner call alone, for the Free events
 
         def plan_all(arrays_per_part):
@@ -1118,11 +1125,11 @@ class InstrumentedAllocator:
         else:
             # The caller may reuse its tensor (a view of req_to_token) before the boundary: keep a copy.
             copies = [t.detach().to("cpu", copy=True) for t in tensors]
-        self._w_pending.append((fn, copies, event, self._w_op))
+        self._w_pending.append((fn, copies, event, self._w_st.op))
 
     def _drain(self, *, wait: bool) -> None:
         pending = self._w_pending
-        current = self._w_op
+        current = self._w_st.op
         while pending:
             fn, copies, event, op = pending[0]
             if event is not None and not event.query():
@@ -1130,11 +1137,11 @@ class InstrumentedAllocator:
                     break
                 event.synchronize()
             pending.popleft()
-            self._w_op = op  # the page updates this verification makes belong to the call that queued it
+            self._w_st.op = op  # the page updates this verification makes belong to the call that queued it
             fn(*(c.numpy() for c in copies))
             if self.bus.active:
                 self._flush_deltas()
-        self._w_op = current
+        self._w_st.op = current
 
     def _swa_peer(self, full_slots):
         return self._w_inner.full_to_swa_index_mapping[full_slots.to(torch.int64)]
@@ -1405,7 +1412,7 @@ class InstrumentedAllocator:
             message=message,
             pool=pool,
             rid=rid,
-            step=self._w_step,
+            step=self._w_st.step,
             op=op,
             ts=self._w_clock(),
             trace_id=trace,
@@ -1420,8 +1427,9 @@ class InstrumentedAllocator:
         return v
 
     def _emit(self, cls, **fields) -> None:
-        self._w_seq += 1
-        self._w_events.append(cls(seq=self._w_seq, ts=self._w_clock(), step=self._w_step, **fields))
+        st = self._w_st
+        st.seq += 1
+        st.events.append(cls(seq=st.seq, ts=self._w_clock(), step=st.step, **fields))
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         if self.bus.active:
@@ -1456,9 +1464,11 @@ class InstrumentedAllocator:
             )
 
     def _flush_deltas(self) -> None:
+        if not self._w_want_pages:
+            return
         for p in self._w_pools.values():
             for pages, owners in p.shadow.take_deltas():
-                self._emit(ev.PageUpdate, op=self._w_op, pool=p.name, pages=pages, owners=owners)
+                self._emit(ev.PageUpdate, op=self._w_st.op, pool=p.name, pages=pages, owners=owners)
 
     def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None) -> None:
         if self._w_want_ledger and slots.size:
@@ -1476,8 +1486,9 @@ class InstrumentedAllocator:
     def _deliver(self) -> None:
         if self.bus.active:
             self._flush_deltas()
-        if self._w_events:
-            batch, self._w_events = self._w_events, []
+        st = self._w_st
+        if st.events:
+            batch, st.events = st.events, []
             self.bus.deliver(batch)
 
     def _finish(self) -> None:

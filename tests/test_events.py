@@ -185,7 +185,7 @@ def test_no_sinks_publishes_nothing_and_collects_no_deltas():
         w.free(t(a.row))  # a double free: a violation, still no event
         w.step()
         assert [v.invariant for v in w.violations] == ["double_free"]
-        assert w._w_events == []
+        assert w._w_st.events == []
         assert _shadow_deltas(w) == [None] * len(w.pools)
         # Nothing was built while no one listened: the first event published afterwards has seq 1.
         c = Collector()
