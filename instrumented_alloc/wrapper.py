@@ -775,90 +775,71 @@ class InstrumentedAllocator:
 
     # -- free ops ---------------------------------------------------------------------------------------------
     def free(self, free_index):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free"
-            self._w_st.op = op
-            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
-            if free_index.numel() == 0:
-                return inner.free(free_index)
-            parts = self._full_set_part(free_index)
-            if self._w_swa is not None:
-                parts = self._swa_set_part(free_index) + parts
-            return self._free(op, lambda: inner.free(free_index), parts)
+        return self._free_call("free", free_index, None, self._free_parts)
 
     def free_full(self, free_index):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free_full"
-            self._w_st.op = op
-            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
-            if free_index.numel() == 0:
-                return inner.free_full(free_index)
-            parts = self._full_set_part(free_index)
-            if self._w_swa is not None:
-                parts = [self._peer_released_check(free_index, op), *parts]
-            return self._free(op, lambda: inner.free_full(free_index), parts)
+        return self._free_call("free_full", free_index, None, self._free_full_parts)
 
     def free_page_ids(self, page_ids):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free_page_ids"
-            self._w_st.op = op
-            self._validate(op, check_index_tensor, "page_ids", page_ids, self._w_device)
-            if page_ids.numel() == 0:
-                return inner.free_page_ids(page_ids)
-            part = (self._w_full, lambda p: (p, False, None), (page_ids,))
-            return self._free(op, lambda: inner.free_page_ids(page_ids), [part])
+        return self._free_call("free_page_ids", page_ids, None, self._page_ids_parts, arg="page_ids")
 
     def free_segment(self, free_index, *, start_pos):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free_segment"
-            self._w_st.op = op
-            self._segment_args(op, free_index, start_pos)
-            if free_index.numel() == 0:
-                return inner.free_segment(free_index, start_pos=start_pos)
-            parts = [self._full_segment_part(free_index)]
-            if self._w_swa is not None:
-                parts.insert(0, self._swa_segment_part(free_index, op))
-            return self._free(op, lambda: inner.free_segment(free_index, start_pos=start_pos), parts)
+        return self._free_call("free_segment", free_index, start_pos, self._segment_parts)
 
     def free_full_segment(self, free_index, *, start_pos):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free_full_segment"
-            self._w_st.op = op
-            self._segment_args(op, free_index, start_pos)
-            if free_index.numel() == 0:
-                return inner.free_full_segment(free_index, start_pos=start_pos)
-            if self._w_swa is not None:
-                parts = [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
-            else:
-                # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
-                parts = self._full_set_part(free_index)
-            return self._free(op, lambda: inner.free_full_segment(free_index, start_pos=start_pos), parts)
+        return self._free_call("free_full_segment", free_index, start_pos, self._full_segment_parts)
 
     def free_swa(self, free_index):
-        inner = self._w_inner
-        with self._w_lock:
-            op = "free_swa"
-            self._w_st.op = op
-            self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
-            if free_index.numel() == 0 or self._w_swa is None:
-                return inner.free_swa(free_index)
-            return self._free(op, lambda: inner.free_swa(free_index), self._swa_set_part(free_index))
+        return self._free_call("free_swa", free_index, None, self._swa_parts)
 
     def free_swa_segment(self, free_index, *, start_pos):
-        inner = self._w_inner
+        return self._free_call("free_swa_segment", free_index, start_pos, self._swa_segment_parts)
+
+    def _free_call(self, op: str, index, start_pos, parts_of: Callable, *, arg: str = "free_index"):
+        """Every free op: validate, then forward an empty free untouched, or check and mirror it (``_free``).
+        ``parts_of(index, op)`` lists what the op frees per pool; None when this allocator has nothing to check
+        for it (an SWA op on a single pool)."""
+        method = getattr(self._w_inner, op)
+        forward = (lambda: method(index)) if start_pos is None else (lambda: method(index, start_pos=start_pos))
         with self._w_lock:
-            op = "free_swa_segment"
             self._w_st.op = op
-            self._segment_args(op, free_index, start_pos)
-            if free_index.numel() == 0 or self._w_swa is None:
-                return inner.free_swa_segment(free_index, start_pos=start_pos)
-            part = self._swa_segment_part(free_index, op)
-            return self._free(op, lambda: inner.free_swa_segment(free_index, start_pos=start_pos), [part])
+            if start_pos is None:
+                self._validate(op, check_index_tensor, arg, index, self._w_device)
+            else:
+                self._segment_args(op, index, start_pos)
+            if index.numel() == 0:
+                return forward()
+            parts = parts_of(index, op)
+            if parts is None:
+                return forward()
+            return self._free(op, forward, parts)
+
+    def _free_parts(self, free_index, op):
+        parts = self._full_set_part(free_index)
+        return parts if self._w_swa is None else self._swa_set_part(free_index) + parts
+
+    def _free_full_parts(self, free_index, op):
+        parts = self._full_set_part(free_index)
+        return parts if self._w_swa is None else [self._peer_released_check(free_index, op), *parts]
+
+    def _page_ids_parts(self, page_ids, op):
+        return [(self._w_full, lambda p: (p, False, None), (page_ids,))]
+
+    def _segment_parts(self, free_index, op):
+        parts = [self._full_segment_part(free_index)]
+        return parts if self._w_swa is None else [self._swa_segment_part(free_index, op), *parts]
+
+    def _full_segment_parts(self, free_index, op):
+        if self._w_swa is None:
+            # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
+            return self._full_set_part(free_index)
+        return [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
+
+    def _swa_parts(self, free_index, op):
+        return None if self._w_swa is None else self._swa_set_part(free_index)
+
+    def _swa_segment_parts(self, free_index, op):
+        return None if self._w_swa is None else [self._swa_segment_part(free_index, op)]
 
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's

@@ -298,6 +298,15 @@ def sglang_available(require_swa: bool = True) -> tuple[bool, str]:
     return True, ""
 
 
+def require_sglang(require_swa: bool = True) -> None:
+    """In a test: stop it (skip, or fail under CI) when SGLang's allocators cannot be used here."""
+    ok, reason = sglang_available(require_swa=require_swa)
+    if not ok:
+        from tests.ci import missing
+
+        missing(reason)
+
+
 # --------------------------------------------------------------------------
 # factories
 # --------------------------------------------------------------------------

@@ -6,8 +6,6 @@ Skipped when SGLang is not importable, except under CI=true, where that fails.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests import sglang_compat
@@ -16,15 +14,6 @@ try:
     import torch
 except ImportError:  # reported through sglang_available() below
     torch = None
-
-
-def _require(require_swa: bool) -> None:
-    ok, reason = sglang_compat.sglang_available(require_swa=require_swa)
-    if ok:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 def i64(values):
@@ -36,7 +25,7 @@ def lst(t):
 
 
 def test_token_alloc_and_free_appends_at_tail():
-    _require(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     a = sglang_compat.make_sglang_token(8)
     assert type(a).__name__ == "TokenToKVPoolAllocator"
     assert lst(a.free_pages) == [1, 2, 3, 4, 5, 6, 7, 8]  # slot 0 is padding
@@ -62,7 +51,7 @@ def test_token_alloc_and_free_appends_at_tail():
 
 
 def test_token_need_sort_stages_frees_until_short():
-    _require(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     a = sglang_compat.make_sglang_token(8, need_sort=True)
     assert lst(a.alloc(6)) == [1, 2, 3, 4, 5, 6]
     a.free(i64([5, 2]))
@@ -74,7 +63,7 @@ def test_token_need_sort_stages_frees_until_short():
 
 
 def test_paged_extend_decode_and_free_at_head():
-    _require(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     a = sglang_compat.make_sglang_paged(32, 4)
     assert type(a).__name__ == "PagedTokenToKVPoolAllocator"
     assert a.use_triton_kernels is False  # CPU: naive torch path
@@ -114,7 +103,7 @@ def test_paged_extend_decode_and_free_at_head():
 
 
 def test_paged_need_sort_stages_pages():
-    _require(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     a = sglang_compat.make_sglang_paged(32, 4, need_sort=True)
     out = a.alloc(32)
     assert lst(out) == list(range(4, 36))  # token ids run up to size + page_size - 1
@@ -128,7 +117,7 @@ def test_paged_need_sort_stages_pages():
 
 
 def test_swa_extend_free_swa_segment_and_free_clear_mapping():
-    _require(require_swa=True)
+    sglang_compat.require_sglang(require_swa=True)
     a = sglang_compat.make_sglang_swa(32, 16, 4)
     assert type(a).__name__ == "SWATokenToKVPoolAllocator"
     kv = a.get_kvcache()

@@ -7,8 +7,6 @@ to a bare SGLang twin, zero violations, a clean sweep).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -29,17 +27,9 @@ from tests.engine_model import Req, allocator_state, decode_args, extend_args, s
 F16 = torch.float16
 
 
-def need_sglang(require_swa: bool) -> None:
-    ok, reason = sglang_compat.sglang_available(require_swa=require_swa)
-    if not ok:
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-
-
 def _sg(require_swa, make):
     def factory():
-        need_sglang(require_swa)
+        sglang_compat.require_sglang(require_swa)
         return make()
 
     return factory
@@ -393,7 +383,7 @@ def test_random_sequences_over_sglang_classes(name, need_sort, verify, data):
     call, zero violations, check_consistency() == [] and every page free at the end. The name's prefix selects
     the engine's behaviour for that allocator kind (token / paged / swa)."""
     require_swa, make = SG_CONFIGS[name]
-    need_sglang(require_swa)
+    sglang_compat.require_sglang(require_swa)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(properties.CONFIGS, name, make)
         e = properties.run(data, name, need_sort, verify)

@@ -7,8 +7,6 @@ The alignment, double-free and duplicate-allocation faults also run with SGLang 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -26,11 +24,7 @@ def ours_paged():
 
 
 def sglang_paged():
-    ok, reason = sglang_compat.sglang_available(require_swa=False)
-    if not ok:
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    sglang_compat.require_sglang(require_swa=False)
     return sglang_compat.make_sglang_paged(64, PS)
 
 

@@ -34,7 +34,6 @@ Skipped when SGLang is not importable, except under CI=true, where that fails.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,15 +51,6 @@ from tests import sglang_compat
 
 DTYPE = torch.bfloat16
 DEVICE = "cpu"
-
-
-def _require_sglang(require_swa: bool) -> None:
-    ok, reason = sglang_compat.sglang_available(require_swa=require_swa)
-    if ok:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 def i64(values) -> torch.Tensor:
@@ -512,7 +502,7 @@ def _random_sequence(kind: str, page_size: int, need_sort: bool, data) -> None:
 @pytest.mark.parametrize(("kind", "page_size"), CONFIGS)
 def test_random_sequences_match_sglang(kind: str, page_size: int, need_sort: bool) -> None:
     # The availability check runs before hypothesis so that a missing SGLang skips (or fails under CI) once.
-    _require_sglang(require_swa=kind == "swa")
+    sglang_compat.require_sglang(require_swa=kind == "swa")
     _random_sequence(kind, page_size, need_sort)
 
 
@@ -526,7 +516,7 @@ def _extend_args(prefix, seq, last):
 
 
 def test_freed_slots_reused_last_in_token_first_in_paged() -> None:
-    _require_sglang(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     # Token: freed slots go to the TAIL of the free list.
     tok = make_pair("token", 8, 1, need_sort=False)
     assert tok.call("alloc", 3).tolist() == [1, 2, 3]
@@ -552,7 +542,7 @@ def test_freed_slots_reused_last_in_token_first_in_paged() -> None:
 
 
 def test_need_sort_merge_triggered_by_extend_bound() -> None:
-    _require_sglang(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     ps = 16
     pair = make_pair("paged", 8 * ps, ps, need_sort=True)
     rows = pair.call("alloc_extend", *_extend_args([0, 0, 0], [2 * ps] * 3, [-1] * 3))
@@ -576,7 +566,7 @@ def test_need_sort_merge_triggered_by_extend_bound() -> None:
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_group_mixing_free_and_free_segment(kind: str) -> None:
-    _require_sglang(require_swa=False)
+    sglang_compat.require_sglang(require_swa=False)
     if kind == "token":
         pair = make_pair("token", 16, 1, need_sort=False)
         a = pair.call("alloc", 4).tolist()
@@ -603,7 +593,7 @@ def test_free_group_mixing_free_and_free_segment(kind: str) -> None:
 
 
 def test_swa_free_group_orders_pools_differently() -> None:
-    _require_sglang(require_swa=True)
+    sglang_compat.require_sglang(require_swa=True)
     ps = 4
     pair = make_pair("swa", 8 * ps, ps, need_sort=False, size_swa=8 * ps)
     rows = pair.call("alloc_extend", *_extend_args([0, 0], [2 * ps, 2 * ps], [-1, -1]))
@@ -627,7 +617,7 @@ def test_swa_decode_short_swa_pool_only() -> None:
     page, the page is in no free list and no mapping entry, so it is leaked until clear(). The SWA pool and the
     mapping are unchanged. (At page size 1, ``alloc`` checks both pools first and leaks nothing.)
     """
-    _require_sglang(require_swa=True)
+    sglang_compat.require_sglang(require_swa=True)
     ps = 16
     pair = make_pair("swa", 8 * ps, ps, need_sort=False, size_swa=2 * ps)
     row = pair.call("alloc_extend", *_extend_args([0], [2 * ps], [-1]))
@@ -656,7 +646,7 @@ def test_swa_merge_and_sort_free() -> None:
     'NoneType' has no len()``. Ours inherits the same base behaviour: both must raise the same way. No SGLang
     code calls it on the SWA allocator (the inner allocators merge from their own alloc paths).
     """
-    _require_sglang(require_swa=True)
+    sglang_compat.require_sglang(require_swa=True)
     pair = make_pair("swa", 8 * 16, 16, need_sort=True, size_swa=8 * 16)
     pair.call_raising("merge_and_sort_free", TypeError)
 
@@ -671,7 +661,7 @@ def test_swa_over_free() -> None:
     post-condition: both raise, and the states stay equal. It only fires when the over-credit exceeds the pool
     size, so it is no general double-free detector (the wrapper is).
     """
-    _require_sglang(require_swa=True)
+    sglang_compat.require_sglang(require_swa=True)
     ps = 16
     pair = make_pair("swa", 8 * ps, ps, need_sort=False, size_swa=8 * ps)
     row = pair.call("alloc_extend", *_extend_args([0], [ps], [-1]))

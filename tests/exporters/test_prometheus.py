@@ -28,6 +28,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from exporters.prometheus import PrometheusExporter
 from instrumented_alloc import INVARIANTS, InstrumentedAllocator, stats
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from tests.ci import missing
 from tests.engine_model import Req, extend_args, split_extend, t
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,10 +42,7 @@ CONST = {"engine": "e0", "tp_rank": "0"}
 def need_binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        reason = f"{name} is not installed (Debian: apt-get install prometheus)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing(f"{name} is not installed (Debian: apt-get install prometheus)")
     return path
 
 
