@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench grafana clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# Rewrites grafana/dashboards/kvalloc.json from grafana/generate.py (tests/grafana fails while it is stale).
+grafana: $(STAMP)
+	$(BIN)/python -m grafana.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
