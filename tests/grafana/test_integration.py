@@ -117,6 +117,11 @@ def prometheus_config(target_port: int) -> str:
     return yaml.safe_dump(cfg)
 
 
+def ready(base: str) -> bool:
+    with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as r:
+        return r.status == 200
+
+
 def firing(base: str, alertname: str) -> list[dict]:
     return [
         a
@@ -137,7 +142,7 @@ def test_demo_with_fault_dashboard_queries_and_violation_alert(demo, prometheus_
     port = free_port()
     base = prometheus_server(port, config=prometheus_config(port))
     logs = [tmp_path / "prometheus.log"]
-    wait_for("Prometheus ready", lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=5).status == 200, 30, logs)
+    wait_for("Prometheus ready", lambda: ready(base), 30, logs)
     logs = [*demo(port), *logs]
     instance = f"127.0.0.1:{port}"
 
