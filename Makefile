@@ -20,8 +20,12 @@ $(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 
 setup: $(STAMP)
 
+# The main job: the demo engine until Ctrl-C, serving metrics, recording, with the seed's bug injected.
+DEMO_ARGS ?= --preset swa-128 --inject swa-misaligned --inject leak
+DEMO_RECORDING ?= recordings/demo.sqlite
 demo: $(STAMP)
-	$(BIN)/instrumented-alloc demo
+	@mkdir -p $(dir $(DEMO_RECORDING))
+	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
