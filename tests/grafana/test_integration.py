@@ -1,6 +1,6 @@
-"""The demo engine with an injected fault, scraped by a real Prometheus that loads the alert rules: every query of
+"""The demo engine with injected faults, scraped by a real Prometheus that loads the alert rules: every query of
 every dashboard panel, with its template variables substituted as Grafana would, returns a non-empty result with
-real values, and the invariant-violation alert fires for the injected fault.
+real values, and the invariant-violation alert fires for each injected fault.
 
 The demo runs as a subprocess through the documented CLI (``instrumented-alloc demo ... --metrics-port PORT``,
 which prints ``metrics: http://127.0.0.1:PORT/metrics`` once serving). Prometheus runs with the committed
@@ -34,11 +34,14 @@ from tests.grafana.dashboard_model import (
 )
 from tests.prometheus_server import api, free_port, query
 
-FAULT, INVARIANT = "double-free", "double_free"
+# Two faults whose violations the demo reports once each, with no knock-on violation (a double free in record
+# mode corrupts the free list: duplicate allocations follow, and the allocator eventually fails and the demo
+# stops, taking its /metrics with it). Fault -> the invariant it breaks.
+FAULTS = {"leak": "request_leak", "swa-misaligned": "swa_evicted_seqlen_page_aligned"}
 PRESET = "swa-128"  # both pools, so the SWA panels have real series
 PACE = 50  # steps per second: traffic spread over many scrapes
-# The fault comes 5 s of steps after the demo starts serving, scraped every second from its first second.
-FAULT_STEP = 5 * PACE
+# The faults come 5 and 6 s of steps after the demo starts serving, scraped every second from its first second.
+FAULT_STEPS = {"leak": 5 * PACE, "swa-misaligned": 6 * PACE}
 SPAN_S = 120  # the dashboard time range the queries are sent with (ends now)
 # Grafana's $__rate_interval: max($__interval + scrape interval, 4 * scrape interval), with the data source's
 # scrape interval (timeInterval) at this test's 1 s and a 1 s step.
@@ -67,7 +70,7 @@ def wait_for(what: str, probe, timeout: float, logs: list[Path]):
 
 @pytest.fixture
 def demo(tmp_path):
-    """``start(port)`` starts the demo serving /metrics on ``port`` with the fault injected, waits for its metrics
+    """``start(port)`` starts the demo serving /metrics on ``port`` with the faults injected, waits for its metrics
     line and returns its [stdout, stderr] logs; every demo started is stopped at teardown."""
     procs = []
 
@@ -76,8 +79,10 @@ def demo(tmp_path):
         argv = [
             sys.executable, "-m", "instrumented_alloc.cli", "demo",
             "--preset", PRESET, "--duration", "600", "--pace", str(PACE), "--seed", "7", "--mode", "record",
-            "--inject", f"{FAULT}@{FAULT_STEP}", "--page-size", "16", "--metrics-port", str(port),
+            "--page-size", "16", "--metrics-port", str(port),
         ]  # fmt: skip
+        for fault, step in FAULT_STEPS.items():
+            argv += ["--inject", f"{fault}@{step}"]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         with open(out, "wb") as o, open(err, "wb") as e:
@@ -135,7 +140,7 @@ def finite_values(result: list, instant: bool) -> list[float]:
     return [float(v) for v in vals if math.isfinite(float(v))]
 
 
-def test_demo_with_fault_dashboard_queries_and_violation_alert(demo, prometheus_server, tmp_path):
+def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus_server, tmp_path):
     # Prometheus first, then the demo on the port it scrapes: the first scrapes see the violation counter at 0,
     # so the rate panels see the fault as an increase (a counter already above 0 at its first scrape has no
     # rate; the alert's second clause covers that case, unit-tested in kvalloc_test.yml).
@@ -146,21 +151,24 @@ def test_demo_with_fault_dashboard_queries_and_violation_alert(demo, prometheus_
     logs = [*demo(port), *logs]
     instance = f"127.0.0.1:{port}"
 
-    # 1. The violation alert fires for the injected fault, on that instance, with its rendered annotations.
-    [alert] = wait_for(
-        f"KvallocInvariantViolation firing for {INVARIANT}",
-        lambda: [a for a in firing(base, "KvallocInvariantViolation") if a["labels"]["invariant"] == INVARIANT],
-        90,
-        logs,
-    )
-    assert {k: alert["labels"][k] for k in ("severity", "job", "instance")} == {
-        "severity": "critical",
-        "job": "kvalloc",
-        "instance": instance,
-    }
-    assert alert["annotations"]["summary"] == f"KV allocator invariant {INVARIANT} violated on {instance}"
-    # Only the injected fault's invariant is reported.
-    assert {a["labels"]["invariant"] for a in firing(base, "KvallocInvariantViolation")} == {INVARIANT}
+    # 1. The violation alert fires for each injected fault, on that instance, with its rendered annotations, and
+    # for nothing else.
+    expected = set(FAULTS.values())
+
+    def alerts():
+        got = {a["labels"]["invariant"]: a for a in firing(base, "KvallocInvariantViolation")}
+        return got if expected <= set(got) else None
+
+    got = wait_for(f"KvallocInvariantViolation firing for {sorted(expected)}", alerts, 90, logs)
+    assert set(got) == expected
+    for invariant, alert in got.items():
+        assert {k: alert["labels"][k] for k in ("severity", "job", "instance", "engine")} == {
+            "severity": "critical",
+            "job": "kvalloc",
+            "instance": instance,
+            "engine": "demo",  # the demo's --engine-label default
+        }
+        assert alert["annotations"]["summary"] == f"KV allocator invariant {invariant} violated on {instance}"
 
     # 2. Enough history for every rate window and range: 10 scrapes of traffic.
     wait_for(
@@ -172,7 +180,7 @@ def test_demo_with_fault_dashboard_queries_and_violation_alert(demo, prometheus_
 
     # 3. The template variables' own queries, as Grafana runs label_values(metric{...}, label).
     engines = api(base, "/api/v1/label/engine/values", **{"match[]": "kvalloc_page_size_tokens"})
-    assert engines, "the engine variable would list nothing"
+    assert engines == ["demo"]
     instances = api(
         base,
         "/api/v1/label/instance/values",
@@ -203,9 +211,9 @@ def test_demo_with_fault_dashboard_queries_and_violation_alert(demo, prometheus_
     assert problems == []
     assert sent == 2 * len(targets(dashboard))
 
-    # 5. The Health panel shows the injected fault: a nonzero violation rate for that invariant, no other.
+    # 5. The Health panel shows the injected faults: a nonzero violation rate for their invariants, no other.
     [violations] = [t for p, t in targets(dashboard) if p["title"] == "Invariant violations by invariant"]
     expr = interpolate(violations["expr"], {**selections["All"], "__rate_interval": RATE_INTERVAL})
     result = api(base, "/api/v1/query_range", query=expr, start=end - SPAN_S, end=end, step=1)["result"]
     nonzero = {s["metric"]["invariant"] for s in result if any(float(v) > 0 for _, v in s["values"])}
-    assert nonzero == {INVARIANT}
+    assert nonzero == expected
