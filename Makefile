@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# 1,000,000 demo steps with every exporter on; SOAK_ARGS="--steps 100000" for a shorter one.
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
