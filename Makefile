@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench grafana clean
+.PHONY: setup demo test lint bench soak grafana clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# 1,000,000 demo steps with every exporter on; SOAK_ARGS="--steps 100000" for a shorter one.
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 # Rewrites grafana/dashboards/kvalloc.json from grafana/generate.py (tests/grafana fails while it is stale).
 grafana: $(STAMP)
