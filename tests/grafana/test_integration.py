@@ -1,6 +1,7 @@
 """The demo engine with injected faults, scraped by a real Prometheus that loads the alert rules: every query of
 every dashboard panel, with its template variables substituted as Grafana would, returns a non-empty result with
-real values, and the invariant-violation alert fires for each injected fault.
+real values; the invariant-violation alert fires for each injected fault; and the violations panel's exemplars
+carry the trace ids of the spans (received over OTLP/HTTP from the same demo) that recorded those violations.
 
 The demo runs as a subprocess through the documented CLI (``instrumented-alloc demo ... --metrics-port PORT``,
 which prints ``metrics: http://127.0.0.1:PORT/metrics`` once serving). Prometheus runs with the committed
@@ -32,6 +33,7 @@ from tests.grafana.dashboard_model import (
     load_dashboard,
     targets,
 )
+from tests.otlp_receiver import Receiver
 from tests.prometheus_server import api, free_port, query
 
 # Two faults whose violations the demo reports once each, with no knock-on violation (a double free in record
@@ -70,16 +72,17 @@ def wait_for(what: str, probe, timeout: float, logs: list[Path]):
 
 @pytest.fixture
 def demo(tmp_path):
-    """``start(port)`` starts the demo serving /metrics on ``port`` with the faults injected, waits for its metrics
-    line and returns its [stdout, stderr] logs; every demo started is stopped at teardown."""
+    """``start(port, otlp_endpoint)`` starts the demo serving /metrics on ``port`` and exporting its spans to
+    ``otlp_endpoint``, with the faults injected; waits for its metrics line and returns its [stdout, stderr] logs.
+    Every demo started is stopped at teardown."""
     procs = []
 
-    def start(port: int) -> list[Path]:
+    def start(port: int, otlp_endpoint: str) -> list[Path]:
         out, err = tmp_path / "demo.out", tmp_path / "demo.err"
         argv = [
             sys.executable, "-m", "instrumented_alloc.cli", "demo",
             "--preset", PRESET, "--duration", "600", "--pace", str(PACE), "--seed", "7", "--mode", "record",
-            "--page-size", "16", "--metrics-port", str(port),
+            "--page-size", "16", "--metrics-port", str(port), "--otlp-endpoint", otlp_endpoint,
         ]  # fmt: skip
         for fault, step in FAULT_STEPS.items():
             argv += ["--inject", f"{fault}@{step}"]
@@ -107,6 +110,29 @@ def demo(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def receiver():
+    """An OTLP/HTTP receiver on 127.0.0.1 that decodes the demo's spans (what a Collector in front of Jaeger or
+    Tempo would take)."""
+    with Receiver() as rx:
+        yield rx
+
+
+def violation_trace_ids(rx: Receiver) -> dict[str, set[str]]:
+    """invariant -> trace ids (32 hex digits) of the spans that carry a kv.violation for it: a kv.violation
+    event on a request's span, or a kv.violation span of its own."""
+    out: dict[str, set[str]] = {}
+    with rx.lock:
+        for _, span in rx.spans:
+            events = [ev for ev in span.events if ev.name == "kv.violation"]
+            found = [{kv.key: kv.value.string_value for kv in ev.attributes} for ev in events]
+            if span.name == "kv.violation":
+                found.append({kv.key: kv.value.string_value for kv in span.attributes})
+            for attrs in found:
+                out.setdefault(attrs["kv.violation.invariant"], set()).add(span.trace_id.hex())
+    return out
 
 
 def prometheus_config(target_port: int) -> str:
@@ -140,7 +166,7 @@ def finite_values(result: list, instant: bool) -> list[float]:
     return [float(v) for v in vals if math.isfinite(float(v))]
 
 
-def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus_server, tmp_path):
+def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus_server, receiver, tmp_path):
     # Prometheus first, then the demo on the port it scrapes: the first scrapes see the violation counter at 0,
     # so the rate panels see the fault as an increase (a counter already above 0 at its first scrape has no
     # rate; the alert's second clause covers that case, unit-tested in kvalloc_test.yml).
@@ -148,7 +174,8 @@ def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus
     base = prometheus_server(port, config=prometheus_config(port))
     logs = [tmp_path / "prometheus.log"]
     wait_for("Prometheus ready", lambda: ready(base), 30, logs)
-    logs = [*demo(port), *logs]
+    rx = receiver
+    logs = [*demo(port, rx.endpoint), *logs]
     instance = f"127.0.0.1:{port}"
 
     # 1. The violation alert fires for each injected fault, on that instance, with its rendered annotations, and
@@ -217,3 +244,22 @@ def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus
     result = api(base, "/api/v1/query_range", query=expr, start=end - SPAN_S, end=end, step=1)["result"]
     nonzero = {s["metric"]["invariant"] for s in result if any(float(v) > 0 for _, v in s["values"])}
     assert nonzero == expected
+
+    # 6. The violations panel's exemplars (the query has exemplar: true) link to traces: Prometheus stored one
+    # exemplar per faulted invariant, and its trace_id is the trace of a span that recorded that very violation,
+    # as the OTLP receiver decoded it. (A request's span is exported when the request ends: wait for both.)
+    exemplars = api(base, "/api/v1/query_exemplars", query=expr, start=end - SPAN_S, end=time.time() + 60)
+    by_invariant = {
+        series["seriesLabels"]["invariant"]: [e["labels"]["trace_id"] for e in series["exemplars"]]
+        for series in exemplars
+    }
+    assert set(by_invariant) == expected
+
+    def spans_of_faults():
+        got = violation_trace_ids(rx)
+        return got if expected <= set(got) else None
+
+    traces = wait_for("the faulted requests' spans at the OTLP receiver", spans_of_faults, 90, logs)
+    for invariant, trace_ids in by_invariant.items():
+        assert len(trace_ids) == 1 and re.fullmatch(r"[0-9a-f]{32}", trace_ids[0]), (invariant, trace_ids)
+        assert trace_ids[0] in traces[invariant], (invariant, trace_ids, traces[invariant])
