@@ -1234,6 +1234,8 @@ class InstrumentedAllocator:
         )
 
     def _group_begin(self) -> None:
+        if getattr(self._w_inner, "logical_attn_allocator", None) is not None:
+            return  # HiSparse: free groups are no-ops (frees happen at once), so nothing is held
         for p in self._w_pools.values():
             p.shadow.group_begin()
 
