@@ -94,9 +94,11 @@ class PoolShadow:
     def _set(self, pages: np.ndarray, codes) -> None:
         self.owner[pages] = codes
         if self.deltas is not None and pages.size:
-            self.deltas.append(
-                (pages.astype(np.int64, copy=True), np.broadcast_to(codes, pages.shape).astype(np.int32))
-            )
+            if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
+                codes = codes.astype(np.int32)  # a copy: the event owns it
+            else:
+                codes = np.full(pages.shape, codes, np.int32)
+            self.deltas.append((pages.astype(np.int64, copy=True), codes))
 
     def take_deltas(self) -> list:
         out, self.deltas = self.deltas, ([] if self.deltas is not None else None)

@@ -49,6 +49,7 @@ from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnap
 
 MODES = ("raise", "record", "off")
 _I64 = np.dtype(np.int64)
+_make_event = ev.make
 VERIFY = ("auto", "immediate", "deferred")
 
 # Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
@@ -1510,7 +1511,7 @@ class InstrumentedAllocator:
     def _emit(self, cls, **fields) -> None:
         st = self._w_st
         st.seq += 1
-        st.events.append(cls(seq=st.seq, ts=self._w_clock(), step=st.step, **fields))
+        st.events.append(_make_event(cls, st.seq, self._w_clock(), st.step, fields))
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         if self.bus.active:
@@ -1559,9 +1560,10 @@ class InstrumentedAllocator:
                 op=op,
                 rids=rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
                 slots=slots.copy(),
-                allocated=led.allocated[slots].copy(),
-                committed=led.committed[slots].copy(),
-                evicted=led.evicted[slots].copy(),
+                # Gathers by an index array: already copies, owned by the event.
+                allocated=led.allocated[slots],
+                committed=led.committed[slots],
+                evicted=led.evicted[slots],
             )
 
     def _deliver(self) -> None:
