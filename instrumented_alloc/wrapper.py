@@ -137,6 +137,38 @@ def _make_pool(name: str, allocator, ledger: KvLedger, need_sort: bool) -> _Pool
     return _Pool(name, allocator, shadow, paged)
 
 
+class _Binding:
+    """What ``InstrumentedAllocator.batch()`` returns: binds on entry, unbinds on exit (a plain class: a generator
+    context manager costs several microseconds per block, and an engine opens one per batched call)."""
+
+    __slots__ = ("_alloc", "_lens", "_rids")
+
+    def __init__(self, alloc, rids, lens):
+        self._alloc, self._rids, self._lens = alloc, rids, lens
+
+    def __enter__(self):
+        self._alloc._bind(self._rids, self._lens)
+        return self._alloc
+
+    def __exit__(self, *exc) -> None:
+        self._alloc._w_tls.bound = None
+
+
+class _OffBatch:
+    """``batch()`` in off mode: nothing is bound."""
+
+    __slots__ = ("_alloc",)
+
+    def __init__(self, alloc):
+        self._alloc = alloc
+
+    def __enter__(self):
+        return self._alloc
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 class _Missing:
     """Hides an instrumented method the inner class lacks, so ``hasattr`` answers as for the bare allocator."""
 
@@ -275,6 +307,7 @@ class InstrumentedAllocator:
         # Immediate decode checks on one pool with a power-of-two page size > 1 take the fast path first.
         s(self, "_w_fast_decode", not deferred and self._w_swa is None and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
+        s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
         if mode == "off":
             # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
@@ -348,18 +381,20 @@ class InstrumentedAllocator:
         object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
         object.__setattr__(self, "_w_want_pages", want)
 
-    @contextlib.contextmanager
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
-        """Bind the next calls' per-request segments to ``rids``, in batch order.
+        """Bind the next calls' per-request segments to ``rids``, in batch order (a context manager; entering it
+        returns the allocator).
 
         ``lens`` (optional) gives each request's share of a plain ``alloc(n)`` (page size 1 extends, where the
         call itself carries no per-request lengths); decode (``n == len(rids)``) and single-request allocs need
         none. Binding does not nest, and it belongs to the calling thread: calls from another thread are not
-        attributed to it.
+        attributed to it. Off mode attributes (and remembers) nothing: the block costs an attribute lookup.
         """
         if self._w_off:
-            yield self  # nothing is attributed (or remembered) when off
-            return
+            return self._w_off_batch
+        return _Binding(self, rids, lens)
+
+    def _bind(self, rids, lens) -> None:
         rids = tuple(rids)
         if len(set(rids)) != len(rids):
             raise ArgumentValueError("rids", "a request id appears twice in one batch")
@@ -372,10 +407,6 @@ class InstrumentedAllocator:
             # The slots as owner codes (int32 bytes): a decode compares the pages' owners to them in one memcmp.
             own = slots.astype(np.int32).tobytes()
             self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
-        try:
-            yield self
-        finally:
-            self._w_bound = None
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
