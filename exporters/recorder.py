@@ -1056,9 +1056,11 @@ class Recording:
             ).fetchall()
             rows = []
             if end is not None:
+                # "+kind": the kind filter must not pick the (kind, step) index, which would visit every event of
+                # those kinds in the file; the seq range on the primary key visits only the replayed stretch.
                 rows = conn.execute(
                     "SELECT seq, step, ts, kind, payload FROM events WHERE seq > ? AND seq <= ? "
-                    f"AND kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
+                    f"AND +kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
                     (base_seq, end, *_STATE_KINDS),
                 ).fetchall()
         state = self._base(base_seq, snap_rows)
