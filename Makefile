@@ -6,6 +6,7 @@ PIP    := $(BIN)/python -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup demo test lint bench clean
 
@@ -31,7 +32,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
