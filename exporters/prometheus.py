@@ -368,11 +368,13 @@ class PrometheusExporter:
             return False
 
     def _aggregate_batch(self, batch) -> bool | None:
-        """Single-process sink: page counts and observations into the pending dictionaries (see the module doc)."""
+        """Single-process sink: page counts and observations into the pending dictionaries, keyed by the metric
+        child they will be published to (see the module docstring)."""
         try:
             child = self._child
             with self._pend_lock:
                 inc = self._pend_inc
+                obs = self._pend_obs
                 for e in batch:
                     t = type(e)
                     if t is ev.Alloc or t is ev.Free:
@@ -380,9 +382,15 @@ class PrometheusExporter:
                             c = child(self._allocated if t is ev.Alloc else self._freed, e.pool)
                             inc[c] = inc.get(c, 0) + e.n_pages
                         if e.pool == "full" or (t is ev.Free and e.op in _SWA_ONLY_FREES):  # one per call
-                            self._observe_later(child(self._op_duration, e.op), e.duration)
+                            c = child(self._op_duration, e.op)
+                            p = obs.get(c) or self._pending_histogram(c)
+                            p[0] += e.duration
+                            p[1 + bisect.bisect_left(c._upper_bounds, e.duration)] += 1
                     elif t is ev.RequestReleased:
-                        self._observe_later(child(self._request_pages, "full"), e.pages_peak)
+                        c = child(self._request_pages, "full")
+                        p = obs.get(c) or self._pending_histogram(c)
+                        p[0] += e.pages_peak
+                        p[1 + bisect.bisect_left(c._upper_bounds, e.pages_peak)] += 1
                     elif t is ev.SwaEvict:
                         n = e.new - e.old
                         if n > 0:
@@ -398,12 +406,11 @@ class PrometheusExporter:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
 
-    def _observe_later(self, c, amount) -> None:
-        p = self._pend_obs.get(c)
-        if p is None:
-            p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
-        p[0] += amount
-        p[1 + bisect.bisect_left(c._upper_bounds, amount)] += 1  # observe(): the first bucket with amount <= bound
+    def _pending_histogram(self, c) -> list:
+        """[sum, count per bucket...] of observations for child ``c`` (observe(): the first bucket whose upper
+        bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
+        p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
+        return p
 
     def _flushing_collect(self, collect):
         def flush_then_collect():
