@@ -431,7 +431,14 @@ class InstrumentedAllocator:
             if self._w_pending:
                 self._drain(wait=False)
             if not self._w_pending:
-                self._boundary_checks("step")
+                pools = self._w_pools
+                if len(pools) == 1 and not self.ledger.dirty:
+                    # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
+                    pool = self._w_full
+                    if pool.allocator.available_size() // pool.page_size != pool.shadow.expected_entries:
+                        self._boundary_checks("step")
+                else:
+                    self._boundary_checks("step")
             bus = self.bus
             if bus.active:
                 self._flush_deltas()
