@@ -3,9 +3,11 @@ SQLite file (``FlightRecorder``), and its reader (``Recording``).
 
 Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
-  allocator call that produced the batch. It never blocks and never raises: it puts the batch (frozen events whose
-  arrays the wrapper copied for them) on a bounded ``queue.Queue`` with ``put_nowait`` and returns False when the
-  queue is full or the recorder stopped, so the bus counts the refused events in ``alloc.bus.dropped["recorder"]``.
+  allocator call that produced the batch. It never blocks and never raises: it puts the batch (each frozen event as
+  its class and instance dict, whose arrays the wrapper copied for it) on a bounded queue (``_Queue``: a deque
+  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) with ``put_nowait`` and
+  returns False when the queue is full or the recorder stopped, so the bus counts the refused events in
+  ``alloc.bus.dropped["recorder"]``.
   On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
   or when retention wants a newer base) it also takes ``alloc.snapshot()`` (host copies of the owner arrays) and
   queues it with the boundary's seq (``snapshot(wait=False)``: deferred device checks still in flight are not
@@ -47,6 +49,7 @@ Request ids round-trip when they are ``str`` or ``int``; other ids are stored as
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import json
@@ -78,6 +81,7 @@ SINK_NAME = "recorder"
 _COMMIT_ROWS = 5000  # rows written since the last commit that force one
 _COMPRESS_OVER = 512  # payloads larger than this many bytes are zlib-compressed
 _READ_CHUNK = 2000
+_INSERT_ROWS = 2000  # encoded rows the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
 
 _SCHEMA = """
@@ -305,14 +309,17 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     tuple as JSON, then every array's little-endian bytes concatenated (``@arrays``), each zlib-compressed when
     large. Runs on the writer thread for every event (which shares the GIL with the engine), so it reads the
     instance dict once, decides the arrays' stored width once per event and reuses the JSON of what repeats."""
-    cls = type(e)
+    return _encode(type(e), e.__dict__, cache)
+
+
+def _encode(cls: type, values: Mapping, cache: dict | None) -> tuple[str, object, bytes]:
+    """``encode_event`` of an event given as its class and its instance dict (what the sink queues)."""
     doc: dict = {}
     names: list = []
     arrays: list = []
     segs: list = []
     datas: list = []
     rid = None
-    values = e.__dict__
     for name, _ in _FIELDS.get(cls) or _fields_of(cls):
         v = values[name]
         t = type(v)
@@ -432,6 +439,39 @@ class _Stop:
 _TICK = object()
 
 
+class _Queue:
+    """The sink's bounded queue: a deque (append and popleft are atomic) with a bound on its length, checked by
+    the producer. The engine thread is the only producer of batches; ``flush()``/``close()`` add their markers
+    from any thread, so the bound is soft by at most those markers. ``maxsize`` may be changed at any time."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._items: collections.deque = collections.deque()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item) -> None:
+        if len(self._items) >= self.maxsize:
+            raise queue.Full
+        self._items.append(item)
+
+    def put(self, item, timeout: float) -> None:
+        """Wait (polling) up to ``timeout`` seconds for room. Never called on the engine's hot path."""
+        deadline = time.monotonic() + timeout
+        while len(self._items) >= self.maxsize:
+            if time.monotonic() >= deadline:
+                raise queue.Full
+            time.sleep(0.001)
+        self._items.append(item)
+
+    def get_nowait(self):
+        try:
+            return self._items.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+
 def _file_id(path: str):
     st = os.stat(path)
     return (st.st_dev, st.st_ino)
@@ -491,7 +531,7 @@ class FlightRecorder:
         self._max_bytes = max_bytes
         self._clock = clock
         self._flush_interval = float(flush_interval)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue = _Queue(queue_size)
         # The writer sleeps on this event, not in queue.get: an ordinary batch does not wake it (a wake-up per
         # batch makes the two threads trade the GIL on every allocator call). It wakes every _POLL seconds, or at
         # once for a violation, a half-full queue, flush() and close().
@@ -512,6 +552,8 @@ class FlightRecorder:
         self._since_snap_events = 0
         self._since_snap_bytes = 0
         self._rids_cache: dict = {}
+        self._rows: list = []  # encoded event rows not yet inserted (writer thread)
+        self._vrows: list = []
 
         self._conn = self._create(overwrite, meta)
         try:
@@ -617,7 +659,10 @@ class FlightRecorder:
                 if snap is not None:
                     self._since_snap_queued = 0
         try:
-            self._queue.put_nowait((batch, snap, lost))
+            # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
+            # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
+            # would survive into the older generations and make full collections more frequent.
+            self._queue.put_nowait(([(type(e), e.__dict__) for e in batch], snap, lost))
             if urgent or self._queue.qsize() >= self._wake_at:
                 self._wake.set()
         except queue.Full:
@@ -713,11 +758,15 @@ class FlightRecorder:
                     uncommitted += len(item[0])
                     urgent = self._write(*item)
                     if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
+                        self._insert_rows()
                         conn.execute("COMMIT")
                         in_txn, uncommitted, last_commit = False, 0, time.monotonic()
                         self._after_commit()
+                    elif len(self._rows) >= _INSERT_ROWS:
+                        self._insert_rows()
                 elif item is _TICK or isinstance(item, (_Flush, _Stop)):
                     if in_txn:
+                        self._insert_rows()
                         conn.execute("COMMIT")
                         in_txn, uncommitted, last_commit = False, 0, time.monotonic()
                         self._after_commit()
@@ -729,6 +778,7 @@ class FlightRecorder:
                         break
             except Exception as exc:
                 self.lost_events += uncommitted
+                self._rows, self._vrows = [], []
                 self._fail(exc)
                 with contextlib.suppress(Exception):
                     conn.rollback()
@@ -740,7 +790,7 @@ class FlightRecorder:
         with contextlib.suppress(Exception):
             conn.close()
 
-    def _next(self, q: queue.Queue, timeout: float | None):
+    def _next(self, q: _Queue, timeout: float | None):
         """The next queued item, or _TICK once ``timeout`` seconds passed (None: no deadline). Between polls the
         writer sleeps on ``_wake`` (see the constructor)."""
         try:
@@ -784,29 +834,32 @@ class FlightRecorder:
         self._retain()
 
     def _write(self, batch, snap, lost) -> bool:
-        conn = self._conn
         rows = []
         vrows = []
         nbytes = 0
         if lost is not None:
             lo, hi = lost
-            head = batch[0]
-            marker = EventsLost(seq=hi, ts=head.ts, step=head.step, first_seq=lo, last_seq=hi, n_events=hi - lo + 1)
-            rows.append((hi, head.step, head.ts, *encode_event(marker)))
-        for e in batch:
-            if isinstance(e, ev.Snapshot):
+            head = batch[0][1]
+            marker = EventsLost(
+                seq=hi, ts=head["ts"], step=head["step"], first_seq=lo, last_seq=hi, n_events=hi - lo + 1
+            )
+            rows.append((hi, head["step"], head["ts"], *encode_event(marker)))
+        cache = self._rids_cache
+        for cls, d in batch:
+            if cls is ev.Snapshot:
                 continue
-            kind, rid, payload = encode_event(e, self._rids_cache)
+            kind, rid, payload = _encode(cls, d, cache)
             nbytes += len(payload)
-            rows.append((e.seq, e.step, e.ts, kind, rid, payload))
-            if isinstance(e, ev.ViolationEvent):
-                v = e.violation
+            seq = d["seq"]
+            rows.append((seq, d["step"], d["ts"], kind, rid, payload))
+            if cls is ev.ViolationEvent:
+                v = d["violation"]
                 vrows.append(
-                    (e.seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
+                    (seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
                 )
-        conn.executemany("INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows)
-        if vrows:
-            conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
+        # Inserted by _insert_rows, many batches in one executemany (before every commit, or _INSERT_ROWS rows).
+        self._rows.extend(rows)
+        self._vrows.extend(vrows)
         self._n_events += len(rows)
         self._since_snap_events += len(rows)
         self._since_snap_bytes += nbytes
@@ -817,6 +870,16 @@ class FlightRecorder:
         ):
             self._want_snapshot = True
         return bool(vrows)
+
+    def _insert_rows(self) -> None:
+        rows, vrows = self._rows, self._vrows
+        self._rows, self._vrows = [], []
+        if rows:
+            self._conn.executemany(
+                "INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows
+            )
+        if vrows:
+            self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
 
     def _write_snapshot(self, step: int, seq: int, snaps: Mapping) -> None:
         ledger = _encode_ledger(snaps)
