@@ -13,7 +13,8 @@ What is traced
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
   frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
-  counted, never one event per token) and ``kv.events_dropped``.
+  counted, never one event per token; consecutive decodes of one ``batch()`` block are folded into one update of
+  the requests' records, applied before the sink handles any other event) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``

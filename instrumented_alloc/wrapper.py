@@ -50,6 +50,7 @@ from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnap
 MODES = ("raise", "record", "off")
 _I64 = np.dtype(np.int64)
 _make_event = ev.make
+_NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
 
 # Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
@@ -316,6 +317,9 @@ class InstrumentedAllocator:
                 method = getattr(inner, name, None)
                 if method is not None:
                     s(self, name, method)
+            # The step boundary does nothing when off; the engine still calls it every step: a C-level no-op
+            # (an empty dict's clear(): no arguments, returns None) instead of a Python method call.
+            s(self, "step", _NOOP)
 
     @property
     def _w_bound(self):
