@@ -178,8 +178,8 @@ def run(op: str, ps: int, bs: int, mode: str | None, verify: str, rounds: int, c
 def rounds_for(op: str, bs: int, quick: bool) -> int:
     """Rounds per timed sample: enough calls that one sample is not a handful of microseconds."""
     if op == "alloc_decode":
-        return 96 if quick else 256
-    return max(2, (96 if quick else 256) // bs)
+        return 128 if quick else 512
+    return max(2, 128 // bs) if quick else max(4, 512 // bs)
 
 
 def measure(
