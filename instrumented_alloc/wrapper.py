@@ -308,6 +308,7 @@ class InstrumentedAllocator:
         # Immediate decode checks on one pool with a power-of-two page size > 1 take the fast path first.
         s(self, "_w_fast_decode", not deferred and self._w_swa is None and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
+        s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
         if mode == "off":
@@ -553,13 +554,16 @@ class InstrumentedAllocator:
         with self._w_lock:
             op = "alloc"
             self._w_st.op = op
-            n = self._validate(op, check_int, "need_size", need_size)
-            bound = self._w_bound
+            if type(need_size) is int and need_size >= 0:
+                n = need_size  # what check_int accepts and returns unchanged
+            else:
+                n = self._validate(op, check_int, "need_size", need_size)
+            bound = getattr(self._w_tls, "bound", None)
             if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
                 self._invalid(
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
-            before = self._entries_before()
+            before = self._entries_before() if self._w_capture_before else None
             t0 = self._w_clock()
             out = inner.alloc(n)
             dt = self._w_clock() - t0
@@ -567,6 +571,9 @@ class InstrumentedAllocator:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
+            fast = self._w_fast_alloc and bound is not None and n and out.shape[0] == n
+            if fast and self._alloc_fast(out, n, bound, dt):
+                return out
             ps = self._w_ps
             expect = n if ps == 1 else n // ps * ps
             got = int(out.shape[0])
@@ -845,6 +852,45 @@ class InstrumentedAllocator:
             if self._w_st.events or self._w_to_raise:
                 self._finish()
             return out
+
+    def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
+        """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
+        extend there), for the case where every check passes: every slot in range and free. Then it applies what
+        the general path applies (the requests' shares as in ``_alloc_owners``, their ledger rows, the shadow,
+        the free count, the events in the same order) and returns True. Otherwise it returns False having changed
+        nothing, and the general path checks the call and reports it."""
+        o = out.numpy()
+        if o.dtype is not _I64:
+            return False
+        rids, slots, lens = bound[0], bound[1], bound[2]
+        if lens is not None:
+            shares, own = lens, np.repeat(slots, lens)
+        elif len(rids) == 1:
+            shares, own = n, np.full(n, slots[0], np.int64)
+        elif len(rids) == n:
+            shares, own = 1, slots  # a decode: one slot each
+        else:
+            return False
+        shadow = self._w_full.shadow
+        if o.min() < 1:
+            return False
+        try:
+            prev = shadow.owner[o]
+        except IndexError:
+            return False
+        if np.count_nonzero(prev > FREE):
+            return False  # handed out twice, or reserved: the general path reports it
+        led = self.ledger
+        for arr in led.owned.values():
+            arr[slots] += shares
+        led.allocated[slots] += shares
+        led.committed[slots] += shares
+        self._emit_ledger("alloc", slots, rids)
+        shadow._set(o, own)
+        shadow.expected_entries -= n
+        self._emit_alloc("alloc", n, n, dt)
+        self._finish()
+        return True
 
     def _decode_consts(self, bs: int) -> tuple:
         """Per-batch-size operands of the decode fast path (arrays: numpy's array-scalar ops cost more)."""
