@@ -6,6 +6,7 @@ PIP    := $(BIN)/python -m pip
 CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup demo test lint bench soak grafana clean
 
@@ -35,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 # 1,000,000 demo steps with every exporter on; SOAK_ARGS="--steps 100000" for a shorter one.
 SOAK_ARGS ?=

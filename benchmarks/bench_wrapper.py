@@ -12,11 +12,11 @@ the step boundary's cost is in the figure.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from benchmarks.common import table
 from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 
@@ -68,14 +68,6 @@ def measure_decode(mode: str, verify: str, *, bs: int, ps: int, steps: int, repe
         if not warm_up:  # the first pair pays for lazy initialisation
             ratios.append(tw / tb)
     return ratios
-
-
-def table(rows: list[tuple[str, list[float], str]]) -> str:
-    head = f"{'case':58} {'median':>8} {'min':>8} {'max':>8}  target"
-    lines = [head, "-" * len(head)]
-    for name, rs, target in rows:
-        lines.append(f"{name:58} {statistics.median(rs):8.3f} {min(rs):8.3f} {max(rs):8.3f}  {target}")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> str:

@@ -13,7 +13,8 @@ What is traced
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
   frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
-  counted, never one event per token) and ``kv.events_dropped``.
+  counted, never one event per token; consecutive decodes of one ``batch()`` block are folded into one update of
+  the requests' records, applied before the sink handles any other event) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
@@ -192,6 +193,13 @@ class OtelExporter:
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
         self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
+        # Decode steps of one batch() block, folded: [rids tuple, latest LedgerUpdate, decodes not yet applied].
+        # Applied to the requests' records before any other event is handled (and at shutdown), so every reader
+        # of those records sees what per-step updates would have left. Valid while the set of open spans is
+        # unchanged since the tuple's requests were all found open (``_open_version``).
+        self._dec: list | None = None
+        self._dec_version = -1
+        self._open_version = 0
         self._closed = False
         self.errors = 0
         self.last_error: str | None = None
@@ -263,6 +271,8 @@ class OtelExporter:
             if self._closed:
                 return True
             self._closed = True
+            self._flush_decode()
+            self._open_version += 1
             still_open, self._open = self._open, {}
             for r in still_open.values():
                 r.span.set_attribute("kv.open_at_shutdown", True)
@@ -286,7 +296,12 @@ class OtelExporter:
                 later: list = []
                 handlers = self._handlers
                 for e in batch:
-                    h = handlers.get(type(e))
+                    t = type(e)
+                    if self._dec is not None and not (
+                        (t is ev.LedgerUpdate or t is ev.Alloc) and e.op in DECODE_OPS and e.rids is self._dec[0]
+                    ):
+                        self._flush_decode()
+                    h = handlers.get(t)
                     if h is not None:
                         h(e, later)
                 for r, name, attrs in later:
@@ -309,6 +324,7 @@ class OtelExporter:
         )
         r = _Req(span)
         self._open[rid] = r
+        self._open_version += 1
         self._ended.pop(rid, None)
         return r
 
@@ -343,10 +359,18 @@ class OtelExporter:
     # -- event handlers ---------------------------------------------------------------------------------------
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
         op = e.op
+        if op in DECODE_OPS:
+            d = self._dec
+            if d is not None and d[0] is e.rids and self._dec_version == self._open_version:
+                d[1] = e  # the hot path: the next decode of the same batch is folded (see __init__)
+                d[2] += 1
+                return
+            if d is not None:
+                self._flush_decode()
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         get = self._open.get
         if op in DECODE_OPS:
-            # The hot path (every decode step, the whole batch): one pass, counted here, not per Alloc event.
+            # The first decode of a batch: one pass (opening spans as needed), counted here, not per Alloc event.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
                 r = get(rid)
                 if r is None:
@@ -357,6 +381,8 @@ class OtelExporter:
                 r.committed = r.cur_committed = c
                 r.evicted = v
                 r.decode_steps += 1
+            self._dec = [e.rids, e, 0]
+            self._dec_version = self._open_version
             return
         if op not in _ALLOC_OPS:
             # Frees: a request torn down before its release keeps its last allocated record on the span; only
@@ -374,6 +400,22 @@ class OtelExporter:
             pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed)
             r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
+
+    def _flush_decode(self) -> None:
+        """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it."""
+        d, self._dec = self._dec, None
+        if d is None or d[2] == 0:
+            return
+        _, e, n = d
+        get = self._open.get
+        for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
+            r = get(rid)
+            if r is None:
+                continue  # rid None (unattributed)
+            r.allocated = r.cur_allocated = a
+            r.committed = r.cur_committed = c
+            r.evicted = v
+            r.decode_steps += n
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids
@@ -440,6 +482,7 @@ class OtelExporter:
         r = self._open.pop(e.rid, None)
         if r is None:
             return  # released without any traced event: nothing was allocated for it
+        self._open_version += 1
         # This batch's earlier events first, then the release in its reserved place.
         for item in later:
             if item[0] is r:

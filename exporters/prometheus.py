@@ -17,6 +17,14 @@ What is computed when
   ``inc``/``observe`` calls per event, no I/O, no snapshot (single-process mode), and never raises: a failure is
   caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
   counts it in ``alloc.bus.dropped["prometheus"]``.
+- Single-process mode aggregates on the engine thread and publishes at scrape time: the sink adds page counts and
+  histogram observations (bucket index by ``bisect``, plus the sum) into plain dictionaries under a lock that is
+  only ever held for dictionary updates, and collecting any of those metrics (a scrape, ``generate_latest``,
+  ``get_sample_value``, a restricted registry) first moves them into the prometheus_client children; so does
+  ``close()``. Values read through the registry are therefore exact at every
+  collection; the children's own values lag until then. Violations and allocation failures (rare, and the
+  violation carries an exemplar) update their counters at once. Multiprocess mode updates the children at once
+  (their values live in files other processes read).
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
 - Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
   collector over ``alloc.snapshot(wait=False)`` (never waits for deferred device checks) and ``stats.figures``
@@ -43,6 +51,7 @@ Labels are bounded: pool, state, invariant, op, sink, plus the caller's const la
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import logging
@@ -245,8 +254,16 @@ class PrometheusExporter:
 
         self._dropped_seen: dict[str, int] = {}
         self._last_refresh = self._clock()
+        # Single process: counters and histograms are aggregated by the sink and published at collection time.
+        self._pend_lock = threading.Lock()
+        self._pend_inc: dict = {}  # counter child -> amount not yet published
+        self._pend_obs: dict = {}  # histogram child -> [sum, count per bucket...] not yet published
+        self._aggregate = not self.multiprocess
         try:
             self._build_event_metrics()
+            if self._aggregate:
+                for m in (self._allocated, self._freed, self._evicted, self._op_duration, self._request_pages):
+                    m.collect = self._flushing_collect(m.collect)
             if self.multiprocess:
                 self._build_mp_gauges()
                 self.refresh()
@@ -268,6 +285,10 @@ class PrometheusExporter:
             ev.ViolationEvent: self._on_violation,
             ev.StepBoundary: self._on_step,
         }
+        if self._aggregate:
+            probe = self._child(self._request_pages, "full")
+            if not all(hasattr(probe, a) for a in ("_buckets", "_sum", "_upper_bounds")):
+                self._aggregate = False  # a prometheus_client without these internals: publish at once
         alloc.subscribe(self.sink)
 
     # -- metric construction --------------------------------------------------------------------------------------
@@ -332,6 +353,8 @@ class PrometheusExporter:
 
     # -- the sink (engine thread) ------------------------------------------------------------------------------
     def _on_batch(self, batch) -> bool | None:
+        if self._aggregate:
+            return self._aggregate_batch(batch)
         try:
             handlers = self._handlers
             for e in batch:
@@ -343,6 +366,74 @@ class PrometheusExporter:
             self.sink_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
+
+    def _aggregate_batch(self, batch) -> bool | None:
+        """Single-process sink: page counts and observations into the pending dictionaries, keyed by the metric
+        child they will be published to (see the module docstring)."""
+        try:
+            child = self._child
+            with self._pend_lock:
+                inc = self._pend_inc
+                obs = self._pend_obs
+                for e in batch:
+                    t = type(e)
+                    if t is ev.Alloc or t is ev.Free:
+                        if e.n_pages:
+                            c = child(self._allocated if t is ev.Alloc else self._freed, e.pool)
+                            inc[c] = inc.get(c, 0) + e.n_pages
+                        if e.pool == "full" or (t is ev.Free and e.op in _SWA_ONLY_FREES):  # one per call
+                            c = child(self._op_duration, e.op)
+                            p = obs.get(c) or self._pending_histogram(c)
+                            p[0] += e.duration
+                            p[1 + bisect.bisect_left(c._upper_bounds, e.duration)] += 1
+                    elif t is ev.RequestReleased:
+                        c = child(self._request_pages, "full")
+                        p = obs.get(c) or self._pending_histogram(c)
+                        p[0] += e.pages_peak
+                        p[1 + bisect.bisect_left(c._upper_bounds, e.pages_peak)] += 1
+                    elif t is ev.SwaEvict:
+                        n = e.new - e.old
+                        if n > 0:
+                            c = child(self._evicted)
+                            inc[c] = inc.get(c, 0) + n
+                    elif t is ev.ViolationEvent:
+                        self._on_violation(e)
+                    elif t is ev.AllocFailed:
+                        self._on_alloc_failed(e)
+            return None
+        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+            self.sink_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+
+    def _pending_histogram(self, c) -> list:
+        """[sum, count per bucket...] of observations for child ``c`` (observe(): the first bucket whose upper
+        bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
+        p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
+        return p
+
+    def _flushing_collect(self, collect):
+        def flush_then_collect():
+            try:
+                self._flush_pending()
+            except Exception as exc:  # a scrape must never fail because of us
+                self._collect_failed(exc)
+            return collect()
+
+        return flush_then_collect
+
+    def _flush_pending(self) -> None:
+        """Publish what the sink aggregated (collection time, ``close()``). Any thread."""
+        with self._pend_lock:
+            inc, self._pend_inc = self._pend_inc, {}
+            obs, self._pend_obs = self._pend_obs, {}
+        for c, n in inc.items():
+            c.inc(n)
+        for c, p in obs.items():
+            c._sum.inc(p[0])
+            for b, n in zip(c._buckets, p[1:]):
+                if n:
+                    b.inc(n)
 
     def _on_alloc(self, e: ev.Alloc) -> None:
         if e.n_pages:
@@ -481,6 +572,7 @@ class PrometheusExporter:
                     self._http_thread.join(timeout=5)
             with contextlib.suppress(ValueError):
                 self._alloc.unsubscribe(self.sink)
+            self._flush_pending()  # the metric objects stay readable after close
             self._unregister()
 
     def _unregister(self) -> None:

@@ -3,9 +3,11 @@ SQLite file (``FlightRecorder``), and its reader (``Recording``).
 
 Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
-  allocator call that produced the batch. It never blocks and never raises: it puts the batch (frozen events whose
-  arrays the wrapper copied for them) on a bounded ``queue.Queue`` with ``put_nowait`` and returns False when the
-  queue is full or the recorder stopped, so the bus counts the refused events in ``alloc.bus.dropped["recorder"]``.
+  allocator call that produced the batch. It never blocks and never raises: it puts the batch (each frozen event as
+  its class and instance dict, whose arrays the wrapper copied for it) on a bounded queue (``_Queue``: a deque
+  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) with ``put_nowait`` and
+  returns False when the queue is full or the recorder stopped, so the bus counts the refused events in
+  ``alloc.bus.dropped["recorder"]``.
   On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
   or when retention wants a newer base) it also takes ``alloc.snapshot()`` (host copies of the owner arrays) and
   queues it with the boundary's seq (``snapshot(wait=False)``: deferred device checks still in flight are not
@@ -47,6 +49,7 @@ Request ids round-trip when they are ``str`` or ``int``; other ids are stored as
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import json
@@ -78,6 +81,8 @@ SINK_NAME = "recorder"
 _COMMIT_ROWS = 5000  # rows written since the last commit that force one
 _COMPRESS_OVER = 512  # payloads larger than this many bytes are zlib-compressed
 _READ_CHUNK = 2000
+_INSERT_ROWS = 2000  # encoded rows the writer buffers before one executemany
+_POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -224,6 +229,10 @@ def _rids_segment(rids: tuple, cache: dict | None) -> tuple[str, bytes]:
     """The encoded segment of a ``rids`` tuple; a decode batch repeats the same tuple every step, so the writer
     keeps the last few encodings (``cache``)."""
     if cache is not None:
+        # The wrapper hands every call of one batch() block the same tuple object: look it up by identity first.
+        hit = cache.get(id(rids))
+        if hit is not None and hit[0] is rids:
+            return hit[1]
         try:
             hit = cache.get(rids)
         except TypeError:  # an unhashable request id
@@ -233,14 +242,63 @@ def _rids_segment(rids: tuple, cache: dict | None) -> tuple[str, bytes]:
             return hit
     seg = _squeeze(_dumps([_rid(r) for r in rids]))
     if cache is not None:
-        if len(cache) >= 64:
+        if len(cache) >= 128:
             cache.clear()
         cache[rids] = seg
+        cache[id(rids)] = (rids, seg)  # holds the tuple: its id is not reused while cached
     return seg
 
 
 def _tuplify(v):
     return tuple(_tuplify(x) for x in v) if isinstance(v, list) else v
+
+
+_HEAD_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_default)
+# The C encoder json.dumps builds on every call, built once (what the JSON of an event header costs, halved).
+_C_ENCODER = (
+    json.encoder.c_make_encoder(
+        None, _json_default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+    if json.encoder.c_make_encoder is not None
+    else None
+)
+
+
+def _head_json(doc) -> str:
+    if _C_ENCODER is None:
+        return _HEAD_ENCODER.encode(doc)
+    return "".join(_C_ENCODER(doc, 0))
+_I4_MIN, _I4_MAX = -(2**31), 2**31 - 1
+_LE_I4 = np.dtype("<i4")
+
+
+_META_JSON: dict = {}  # (names, dtypes, shapes, stored) -> the header's "a" list as JSON
+
+
+def _arrays_segment(names: list, arrays: list) -> tuple[str, bytes]:
+    """(header "a" JSON, bytes) of an event's arrays: integer arrays that all fit int32 are narrowed together
+    (one concatenation and one range check per event, not one per array), anything else per array. The JSON
+    of the array list repeats from call to call (same fields, dtypes, batch size): it is cached."""
+    dtypes = tuple(a.dtype for a in arrays)
+    shapes = tuple(a.shape for a in arrays)
+    raw = None
+    if all(d.kind in "iu" for d in dtypes):
+        flat = arrays[0].ravel() if len(arrays) == 1 else np.concatenate([a.ravel() for a in arrays])
+        if flat.size == 0 or (int(flat.min()) >= _I4_MIN and int(flat.max()) <= _I4_MAX):
+            stores = (_LE_I4,) * len(arrays)
+            raw = flat.astype(_LE_I4).tobytes()
+    if raw is None:
+        stores = tuple(_store_dtype(a) for a in arrays)
+        raw = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
+    key = (tuple(names), dtypes, shapes, stores)
+    meta = _META_JSON.get(key)
+    if meta is None:
+        if len(_META_JSON) >= 4096:
+            _META_JSON.clear()
+        meta = _META_JSON[key] = _dumps(
+            [[n, d.str, st.str, list(sh)] for n, d, st, sh in zip(names, dtypes, stores, shapes)]
+        ).decode()
+    return meta, raw
 
 
 def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, bytes]:
@@ -249,38 +307,48 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     payload = b"E" + u32 header length + header JSON (``f``: plain fields, ``a``: arrays as
     [name, dtype, stored dtype, shape], ``s``: segments as [name, "z"|"r", length]) + the segments: the ``rids``
     tuple as JSON, then every array's little-endian bytes concatenated (``@arrays``), each zlib-compressed when
-    large."""
-    cls = type(e)
+    large. Runs on the writer thread for every event (which shares the GIL with the engine), so it reads the
+    instance dict once, decides the arrays' stored width once per event and reuses the JSON of what repeats."""
+    return _encode(type(e), e.__dict__, cache)
+
+
+def _encode(cls: type, values: Mapping, cache: dict | None) -> tuple[str, object, bytes]:
+    """``encode_event`` of an event given as its class and its instance dict (what the sink queues)."""
     doc: dict = {}
+    names: list = []
     arrays: list = []
-    buffers: list = []
     segs: list = []
     datas: list = []
     rid = None
-    for name, _ in _fields_of(cls):
-        v = getattr(e, name)
-        if isinstance(v, np.ndarray):
-            store = _store_dtype(v)
-            arrays.append((name, v.dtype.str, store.str, list(v.shape)))
-            buffers.append(np.ascontiguousarray(v, dtype=store).tobytes())
-        elif isinstance(v, Violation):
+    for name, _ in _FIELDS.get(cls) or _fields_of(cls):
+        v = values[name]
+        t = type(v)
+        if t is np.ndarray:
+            names.append(name)
+            arrays.append(v)
+        elif t is Violation:
             doc[name] = _violation_doc(v)
             rid = _rid(v.rid)
         elif name == "rid":
             doc[name] = rid = _rid(v)
-        elif name == "rids" and isinstance(v, tuple):
+        elif name == "rids" and t is tuple:
             enc, data = _rids_segment(v, cache)
-            segs.append((name, enc, len(data)))
+            segs.append(f'["rids","{enc}",{len(data)}]')
             datas.append(data)
             if len(v) == 1:
                 rid = _rid(v[0])
+        elif isinstance(v, np.ndarray):
+            names.append(name)
+            arrays.append(v)
         else:
             doc[name] = v
-    if buffers:
-        enc, data = _squeeze(b"".join(buffers))
-        segs.append(("@arrays", enc, len(data)))
+    meta = "[]"
+    if arrays:
+        meta, raw = _arrays_segment(names, arrays)
+        enc, data = _squeeze(raw)
+        segs.append(f'["@arrays","{enc}",{len(data)}]')
         datas.append(data)
-    head = _dumps({"f": doc, "a": arrays, "s": segs})
+    head = f'{{"f":{_head_json(doc)},"a":{meta},"s":[{",".join(segs)}]}}'.encode()
     return cls.__name__, rid, b"".join((b"E", struct.pack("<I", len(head)), head, *datas))
 
 
@@ -371,6 +439,39 @@ class _Stop:
 _TICK = object()
 
 
+class _Queue:
+    """The sink's bounded queue: a deque (append and popleft are atomic) with a bound on its length, checked by
+    the producer. The engine thread is the only producer of batches; ``flush()``/``close()`` add their markers
+    from any thread, so the bound is soft by at most those markers. ``maxsize`` may be changed at any time."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._items: collections.deque = collections.deque()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item) -> None:
+        if len(self._items) >= self.maxsize:
+            raise queue.Full
+        self._items.append(item)
+
+    def put(self, item, timeout: float) -> None:
+        """Wait (polling) up to ``timeout`` seconds for room. Never called on the engine's hot path."""
+        deadline = time.monotonic() + timeout
+        while len(self._items) >= self.maxsize:
+            if time.monotonic() >= deadline:
+                raise queue.Full
+            time.sleep(0.001)
+        self._items.append(item)
+
+    def get_nowait(self):
+        try:
+            return self._items.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+
 def _file_id(path: str):
     st = os.stat(path)
     return (st.st_dev, st.st_ino)
@@ -430,13 +531,19 @@ class FlightRecorder:
         self._max_bytes = max_bytes
         self._clock = clock
         self._flush_interval = float(flush_interval)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue = _Queue(queue_size)
+        # The writer sleeps on this event, not in queue.get: an ordinary batch does not wake it (a wake-up per
+        # batch makes the two threads trade the GIL on every allocator call). It wakes every _POLL seconds, or at
+        # once for a violation, a half-full queue, flush() and close().
+        self._wake = threading.Event()
+        self._wake_at = max(1, queue_size // 2)
         # Sink state (engine thread).
         self._stopped = False
         self._closed = False
         self._next_seq: int | None = None
         self._gap_from: int | None = None
         self._due = False
+        self._since_snap_queued = 0  # events queued since the last snapshot was taken
         # Writer state (writer thread); plain attributes read by others are GIL-atomic.
         self.failed: BaseException | None = None
         self.lost_events = 0
@@ -445,6 +552,8 @@ class FlightRecorder:
         self._since_snap_events = 0
         self._since_snap_bytes = 0
         self._rids_cache: dict = {}
+        self._rows: list = []  # encoded event rows not yet inserted (writer thread)
+        self._vrows: list = []
 
         self._conn = self._create(overwrite, meta)
         try:
@@ -526,17 +635,38 @@ class FlightRecorder:
         lost = (gap_from, first - 1) if gap_from is not None and gap_from < first else None
         snap = None
         boundary = None
+        urgent = False
         for e in batch:
-            if isinstance(e, ev.StepBoundary):
+            t = type(e)
+            if t is ev.StepBoundary:
                 boundary = e
+            elif t is ev.ViolationEvent:
+                urgent = True
+        self._since_snap_queued += len(batch)
         if boundary is not None:
-            due = self._due or lost is not None or self._want_snapshot or boundary.step % self._every == 0
+            # Retention's request for a newer base is also decided here, from what was queued: the writer only
+            # sees the events some time later (it polls).
+            due = (
+                self._due
+                or lost is not None
+                or self._want_snapshot
+                or boundary.step % self._every == 0
+                or (self._max_events is not None and self._since_snap_queued >= max(1, self._max_events // 2))
+            )
             if due:
                 snap = self._take_snapshot(boundary)
                 self._due = snap is None
+                if snap is not None:
+                    self._since_snap_queued = 0
         try:
-            self._queue.put_nowait((batch, snap, lost))
+            # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
+            # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
+            # would survive into the older generations and make full collections more frequent.
+            self._queue.put_nowait(([(type(e), e.__dict__) for e in batch], snap, lost))
+            if urgent or self._queue.qsize() >= self._wake_at:
+                self._wake.set()
         except queue.Full:
+            self._wake.set()
             self._gap_from = gap_from if gap_from is not None else first
             self._due = True
             return False
@@ -571,6 +701,7 @@ class FlightRecorder:
         marker = _Flush()
         try:
             self._queue.put(marker, timeout=timeout)
+            self._wake.set()
         except queue.Full:
             return False
         return marker.done.wait(timeout) and marker.ok
@@ -586,6 +717,7 @@ class FlightRecorder:
         self._stopped = True
         try:
             self._queue.put(_Stop(end_time=float(self._clock()), dropped=self.dropped), timeout=timeout)
+            self._wake.set()
         except queue.Full:
             logger.warning("flight recorder %s: the writer did not take the stop request", self.path)
         self._thread.join(timeout)
@@ -609,10 +741,7 @@ class FlightRecorder:
         uncommitted = 0
         while True:
             timeout = max(0.0, last_commit + self._flush_interval - time.monotonic()) if in_txn else None
-            try:
-                item = q.get(timeout=timeout)
-            except queue.Empty:
-                item = _TICK
+            item = self._next(q, timeout)
             if self.failed is not None:
                 if isinstance(item, _Stop):
                     break
@@ -629,11 +758,15 @@ class FlightRecorder:
                     uncommitted += len(item[0])
                     urgent = self._write(*item)
                     if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
+                        self._insert_rows()
                         conn.execute("COMMIT")
                         in_txn, uncommitted, last_commit = False, 0, time.monotonic()
                         self._after_commit()
+                    elif len(self._rows) >= _INSERT_ROWS:
+                        self._insert_rows()
                 elif item is _TICK or isinstance(item, (_Flush, _Stop)):
                     if in_txn:
+                        self._insert_rows()
                         conn.execute("COMMIT")
                         in_txn, uncommitted, last_commit = False, 0, time.monotonic()
                         self._after_commit()
@@ -645,6 +778,7 @@ class FlightRecorder:
                         break
             except Exception as exc:
                 self.lost_events += uncommitted
+                self._rows, self._vrows = [], []
                 self._fail(exc)
                 with contextlib.suppress(Exception):
                     conn.rollback()
@@ -655,6 +789,24 @@ class FlightRecorder:
                     break
         with contextlib.suppress(Exception):
             conn.close()
+
+    def _next(self, q: _Queue, timeout: float | None):
+        """The next queued item, or _TICK once ``timeout`` seconds passed (None: no deadline). Between polls the
+        writer sleeps on ``_wake`` (see the constructor)."""
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = _POLL if deadline is None else min(_POLL, max(0.0, deadline - time.monotonic()))
+            self._wake.wait(wait)
+            self._wake.clear()
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return _TICK
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is not None:
@@ -682,29 +834,32 @@ class FlightRecorder:
         self._retain()
 
     def _write(self, batch, snap, lost) -> bool:
-        conn = self._conn
         rows = []
         vrows = []
         nbytes = 0
         if lost is not None:
             lo, hi = lost
-            head = batch[0]
-            marker = EventsLost(seq=hi, ts=head.ts, step=head.step, first_seq=lo, last_seq=hi, n_events=hi - lo + 1)
-            rows.append((hi, head.step, head.ts, *encode_event(marker)))
-        for e in batch:
-            if isinstance(e, ev.Snapshot):
+            head = batch[0][1]
+            marker = EventsLost(
+                seq=hi, ts=head["ts"], step=head["step"], first_seq=lo, last_seq=hi, n_events=hi - lo + 1
+            )
+            rows.append((hi, head["step"], head["ts"], *encode_event(marker)))
+        cache = self._rids_cache
+        for cls, d in batch:
+            if cls is ev.Snapshot:
                 continue
-            kind, rid, payload = encode_event(e, self._rids_cache)
+            kind, rid, payload = _encode(cls, d, cache)
             nbytes += len(payload)
-            rows.append((e.seq, e.step, e.ts, kind, rid, payload))
-            if isinstance(e, ev.ViolationEvent):
-                v = e.violation
+            seq = d["seq"]
+            rows.append((seq, d["step"], d["ts"], kind, rid, payload))
+            if cls is ev.ViolationEvent:
+                v = d["violation"]
                 vrows.append(
-                    (e.seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
+                    (seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
                 )
-        conn.executemany("INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows)
-        if vrows:
-            conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
+        # Inserted by _insert_rows, many batches in one executemany (before every commit, or _INSERT_ROWS rows).
+        self._rows.extend(rows)
+        self._vrows.extend(vrows)
         self._n_events += len(rows)
         self._since_snap_events += len(rows)
         self._since_snap_bytes += nbytes
@@ -715,6 +870,16 @@ class FlightRecorder:
         ):
             self._want_snapshot = True
         return bool(vrows)
+
+    def _insert_rows(self) -> None:
+        rows, vrows = self._rows, self._vrows
+        self._rows, self._vrows = [], []
+        if rows:
+            self._conn.executemany(
+                "INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows
+            )
+        if vrows:
+            self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
 
     def _write_snapshot(self, step: int, seq: int, snaps: Mapping) -> None:
         ledger = _encode_ledger(snaps)
@@ -954,9 +1119,11 @@ class Recording:
             ).fetchall()
             rows = []
             if end is not None:
+                # "+kind": the kind filter must not pick the (kind, step) index, which would visit every event of
+                # those kinds in the file; the seq range on the primary key visits only the replayed stretch.
                 rows = conn.execute(
                     "SELECT seq, step, ts, kind, payload FROM events WHERE seq > ? AND seq <= ? "
-                    f"AND kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
+                    f"AND +kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
                     (base_seq, end, *_STATE_KINDS),
                 ).fetchall()
         state = self._base(base_seq, snap_rows)

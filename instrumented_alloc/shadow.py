@@ -94,9 +94,11 @@ class PoolShadow:
     def _set(self, pages: np.ndarray, codes) -> None:
         self.owner[pages] = codes
         if self.deltas is not None and pages.size:
-            self.deltas.append(
-                (pages.astype(np.int64, copy=True), np.broadcast_to(codes, pages.shape).astype(np.int32))
-            )
+            if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
+                codes = codes.astype(np.int32)  # a copy: the event owns it
+            else:
+                codes = np.full(pages.shape, codes, np.int32)
+            self.deltas.append((pages.astype(np.int64, copy=True), codes))
 
     def take_deltas(self) -> list:
         out, self.deltas = self.deltas, ([] if self.deltas is not None else None)
@@ -233,8 +235,11 @@ class PoolShadow:
         if not inuse.all():
             bad += self._classify_free(vpages, prev, inuse, op)
         if not dedup and vpages.size > 1:
-            u, counts = np.unique(vpages, return_counts=True)
-            twice = u[counts > 1]
+            srt = np.sort(vpages)  # a repeat sits next to itself once sorted: np.unique only when there is one
+            twice = srt[:0]
+            if (srt[1:] == srt[:-1]).any():
+                u, counts = np.unique(vpages, return_counts=True)
+                twice = u[counts > 1]
             if twice.size:
                 slot = int(owner[twice[0]])
                 bad.append(
@@ -290,14 +295,19 @@ class PoolShadow:
             self.last_generation[vpages[owned_mask]] = self._ledger.generation[owners]
             owned = self.owned
             first = owners[0]
-            if (owners == first).all():  # the usual case: one request's row
-                u, counts = owners[:1], np.array([owners.size])
+            if (owners == first).all():  # the usual case: one request's row, in Python ints
+                u = owners[:1]
+                s = int(first)
+                if self.name == "full":
+                    peak = self._ledger.peak_pages
+                    peak[s] = max(int(peak[s]), int(owned[s]))
+                owned[s] -= owners.size
             else:
                 u, counts = np.unique(owners, return_counts=True)
-            if self.name == "full":
-                # A request's peak footprint is counted in full-pool pages (the swa pool only shrinks it).
-                np.maximum.at(self._ledger.peak_pages, u, owned[u])
-            owned[u] -= counts
+                if self.name == "full":
+                    # A request's peak footprint is counted in full-pool pages (the swa pool only shrinks it).
+                    np.maximum.at(self._ledger.peak_pages, u, owned[u])
+                owned[u] -= counts
         if self.in_group:
             (self.held_set if dedup else self.held_ids).append(pages)
             self._set(vpages, HELD_SET if dedup else HELD_IDS)

@@ -47,11 +47,14 @@ from instrumented_alloc.argcheck import (
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
-from instrumented_alloc.shadow import LedgerSnapshot, PoolShadow, PoolSnapshot
+from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot
 
 MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
 _ABSENT = object()
+_I64 = np.dtype(np.int64)
+_make_event = ev.make
+_NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
 
 # Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
@@ -137,6 +140,38 @@ def _make_pool(name: str, allocator, ledger: KvLedger, need_sort: bool) -> _Pool
     num_pages = int(allocator.num_pages) if paged else int(allocator.size)
     shadow = PoolShadow(name, ps, num_pages, dedup_free=paged, need_sort=need_sort, ledger=ledger)
     return _Pool(name, allocator, shadow, paged)
+
+
+class _Binding:
+    """What ``InstrumentedAllocator.batch()`` returns: binds on entry, unbinds on exit (a plain class: a generator
+    context manager costs several microseconds per block, and an engine opens one per batched call)."""
+
+    __slots__ = ("_alloc", "_lens", "_rids")
+
+    def __init__(self, alloc, rids, lens):
+        self._alloc, self._rids, self._lens = alloc, rids, lens
+
+    def __enter__(self):
+        self._alloc._bind(self._rids, self._lens)
+        return self._alloc
+
+    def __exit__(self, *exc) -> None:
+        self._alloc._w_tls.bound = None
+
+
+class _OffBatch:
+    """``batch()`` in off mode: nothing is bound."""
+
+    __slots__ = ("_alloc",)
+
+    def __init__(self, alloc):
+        self._alloc = alloc
+
+    def __enter__(self):
+        return self._alloc
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 class _Missing:
@@ -271,6 +306,14 @@ class InstrumentedAllocator:
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
+        # The allocation paths capture the pools' free counts before the call only where a refusal or a merge can
+        # follow a change (see _entries_before).
+        s(self, "_w_capture_before", need_sort or len(self._w_pools) > 1)
+        # Immediate decode checks on one pool with a power-of-two page size > 1 take the fast path first.
+        s(self, "_w_fast_decode", not deferred and self._w_swa is None and ps > 1 and self._w_shift is not None)
+        s(self, "_w_consts", {})
+        s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
+        s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
         if mode == "off":
             # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
@@ -279,6 +322,9 @@ class InstrumentedAllocator:
                 method = getattr(inner, name, None)
                 if method is not None:
                     s(self, name, method)
+            # The step boundary does nothing when off; the engine still calls it every step: a C-level no-op
+            # (an empty dict's clear(): no arguments, returns None) instead of a Python method call.
+            s(self, "step", _NOOP)
 
     @property
     def _w_bound(self):
@@ -344,18 +390,20 @@ class InstrumentedAllocator:
         object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
         object.__setattr__(self, "_w_want_pages", want)
 
-    @contextlib.contextmanager
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
-        """Bind the next calls' per-request segments to ``rids``, in batch order.
+        """Bind the next calls' per-request segments to ``rids``, in batch order (a context manager; entering it
+        returns the allocator).
 
         ``lens`` (optional) gives each request's share of a plain ``alloc(n)`` (page size 1 extends, where the
         call itself carries no per-request lengths); decode (``n == len(rids)``) and single-request allocs need
         none. Binding does not nest, and it belongs to the calling thread: calls from another thread are not
-        attributed to it.
+        attributed to it. Off mode attributes (and remembers) nothing: the block costs an attribute lookup.
         """
         if self._w_off:
-            yield self  # nothing is attributed (or remembered) when off
-            return
+            return self._w_off_batch
+        return _Binding(self, rids, lens)
+
+    def _bind(self, rids, lens) -> None:
         try:
             rids = tuple(rids)
             distinct = len(set(rids))
@@ -373,11 +421,9 @@ class InstrumentedAllocator:
             if self._w_bound is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
-            self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64))
-        try:
-            yield self
-        finally:
-            self._w_bound = None
+            # The slots as owner codes (int32 bytes): a decode compares the pages' owners to them in one memcmp.
+            own = slots.astype(np.int32).tobytes()
+            self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
@@ -405,21 +451,32 @@ class InstrumentedAllocator:
         if self._w_off:
             return
         with self._w_lock:
-            self._w_st.step += 1
-            self._w_st.op = "step"
-            self._drain(wait=False)
+            st = self._w_st
+            st.step += 1
+            st.op = "step"
+            if self._w_pending:
+                self._drain(wait=False)
             if not self._w_pending:
-                self._boundary_checks("step")
-            if self.bus.active:
+                pools = self._w_pools
+                if len(pools) == 1 and not self.ledger.dirty:
+                    # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
+                    pool = self._w_full
+                    if pool.allocator.available_size() // pool.page_size != pool.shadow.expected_entries:
+                        self._boundary_checks("step")
+                else:
+                    self._boundary_checks("step")
+            bus = self.bus
+            if bus.active:
                 self._flush_deltas()
-            if self.bus.wants(ev.StepBoundary):
-                self._emit(
-                    ev.StepBoundary,
-                    available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
-                )
-            if self._w_snapshot_every and self._w_st.step % self._w_snapshot_every == 0 and self.bus.wants(ev.Snapshot):
-                self._emit_snapshots()
-            self._finish()
+                if bus.wants(ev.StepBoundary):
+                    self._emit(
+                        ev.StepBoundary,
+                        available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
+                    )
+                if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
+                    self._emit_snapshots()
+            if st.events or self._w_to_raise:
+                self._finish()
 
     def flush(self) -> None:
         """Complete every deferred check (waits for outstanding device copies) and the count checks."""
@@ -518,13 +575,16 @@ class InstrumentedAllocator:
         with self._w_lock:
             op = "alloc"
             self._w_st.op = op
-            n = self._validate(op, check_int, "need_size", need_size)
-            bound = self._w_bound
+            if type(need_size) is int and need_size >= 0:
+                n = need_size  # what check_int accepts and returns unchanged
+            else:
+                n = self._validate(op, check_int, "need_size", need_size)
+            bound = getattr(self._w_tls, "bound", None)
             if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
                 self._invalid(
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
-            before = self._entries_before()
+            before = self._entries_before() if self._w_capture_before else None
             t0 = self._w_clock()
             out = inner.alloc(n)
             dt = self._w_clock() - t0
@@ -532,6 +592,9 @@ class InstrumentedAllocator:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
+            fast = self._w_fast_alloc and bound is not None and n and out.shape[0] == n
+            if fast and self._alloc_fast(out, n, bound, dt):
+                return out
             ps = self._w_ps
             expect = n if ps == 1 else n // ps * ps
             got = int(out.shape[0])
@@ -720,8 +783,14 @@ class InstrumentedAllocator:
                 bs = self._validate(
                     op, check_batch, self._w_device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
                 )
-            slots = self._bound_slots(bs, op)
-            before = self._entries_before()
+            bound = getattr(self._w_tls, "bound", None)
+            if bound is None:
+                slots = None
+            elif len(bound[0]) == bs:
+                slots = bound[1]
+            else:
+                slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
+            before = self._entries_before() if self._w_capture_before else None
             timed = self.bus.active
             t0 = self._w_clock() if timed else 0.0
             try:
@@ -733,6 +802,17 @@ class InstrumentedAllocator:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, bs, before, dt)
+            n_new = None
+            if self._w_fast_decode and out.shape[0] == bs:
+                n_new = self._decode_fast(out, seq_lens_cpu, slots, bound, bs)
+            if n_new is not None:
+                if timed:
+                    if slots is not None:
+                        self._emit_ledger(op, slots, bound[0])
+                    self._emit_alloc(op, bs, int(n_new), dt)
+                if self._w_st.events or self._w_to_raise:
+                    self._finish()
+                return out
             ps = self._w_ps
             seq = seq_lens_cpu.numpy()
             # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
@@ -793,6 +873,112 @@ class InstrumentedAllocator:
             if self._w_st.events or self._w_to_raise:
                 self._finish()
             return out
+
+    def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
+        """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
+        extend there), for the case where every check passes: every slot in range and free. Then it applies what
+        the general path applies (the requests' shares as in ``_alloc_owners``, their ledger rows, the shadow,
+        the free count, the events in the same order) and returns True. Otherwise it returns False having changed
+        nothing, and the general path checks the call and reports it."""
+        o = out.numpy()
+        if o.dtype is not _I64:
+            return False
+        rids, slots, lens = bound[0], bound[1], bound[2]
+        if lens is not None:
+            shares, own = lens, np.repeat(slots, lens)
+        elif len(rids) == 1:
+            shares, own = n, np.full(n, slots[0], np.int64)
+        elif len(rids) == n:
+            shares, own = 1, slots  # a decode: one slot each
+        else:
+            return False
+        shadow = self._w_full.shadow
+        if o.min() < 1:
+            return False
+        try:
+            prev = shadow.owner[o]
+        except IndexError:
+            return False
+        if np.count_nonzero(prev > FREE):
+            return False  # handed out twice, or reserved: the general path reports it
+        led = self.ledger
+        for arr in led.owned.values():
+            arr[slots] += shares
+        led.allocated[slots] += shares
+        led.committed[slots] += shares
+        self._emit_ledger("alloc", slots, rids)
+        shadow._set(o, own)
+        shadow.expected_entries -= n
+        self._emit_alloc("alloc", n, n, dt)
+        self._finish()
+        return True
+
+    def _decode_consts(self, bs: int) -> tuple:
+        """Per-batch-size operands of the decode fast path (arrays: numpy's array-scalar ops cost more)."""
+        c = self._w_consts.get(bs)
+        if c is None:
+            if len(self._w_consts) > 64:
+                self._w_consts.clear()
+            ps = self._w_ps
+            c = (
+                np.full(bs, ps - 1, np.int64),  # offset in a page
+                np.full(bs, (ps - 1) - 2**63, np.int64),  # the same plus the sign bit: a negative slot never matches
+                np.ones(bs, np.int64),
+                np.full(bs, self._w_shift, np.int64),
+                np.full(bs, -1, np.int32),  # owner code of an unattributed slot
+            )
+            self._w_consts[bs] = c
+        return c
+
+    def _decode_fast(self, out, seq_lens_cpu, slots, bound, bs: int):
+        """Immediate verification of a decode on one pool with a power-of-two page size > 1, for the case where
+        every check passes: each slot sits at its position's offset in its page; a request that opens a page got
+        one that was free, every other continues in a page it owns. Then it applies what the general path applies
+        (ledger lengths and page counts, the shadow, the free count) and returns the number of pages opened.
+        Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
+        the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
+        of a numpy reduction at this size."""
+        o = out.numpy()
+        seq = seq_lens_cpu.numpy()
+        if o.dtype is not _I64 or seq.dtype is not _I64:
+            return None
+        mask, smask, one, shift, unowned = self._w_consts.get(bs) or self._decode_consts(bs)
+        at = seq - one  # the position each new slot holds
+        at &= mask  # its offset in its page; 0: the request opens a page
+        if (o & smask).tobytes() != at.tobytes():
+            return None  # slot_page_alignment, or a negative slot
+        pages = o >> shift
+        shadow = self._w_full.shadow
+        try:
+            prev = shadow.owner[pages]
+        except IndexError:
+            return None  # a page past the end
+        n_new = bs - np.count_nonzero(at)
+        if n_new == 0:
+            if prev.tobytes() != (unowned.tobytes() if slots is None else bound[3]):
+                return None  # a page owned by another request, free, or reserved
+            if slots is not None:
+                self.ledger.committed[slots] = seq
+            if shadow.deltas is not None:
+                shadow._set(pages, -1 if slots is None else slots)
+            return 0
+        opens = at == 0
+        own = unowned if slots is None else slots
+        # Openers must find their page free (code <= FREE, clipped to FREE); the others their own page.
+        if np.where(opens, np.maximum(prev, FREE), prev).tobytes() != np.where(opens, FREE, own).astype(
+            np.int32
+        ).tobytes():
+            return None
+        if slots is not None:
+            led = self.ledger
+            led.committed[slots] = seq
+            openers = slots[opens]
+            for arr in led.owned.values():
+                arr[openers] += 1
+            led.allocated[openers] = (seq[opens] + (self._w_ps - 1)) >> self._w_shift << self._w_shift
+        shadow._set(pages, -1 if slots is None else slots)
+        shadow.expected_entries -= n_new
+        return n_new
 
     # -- free ops ---------------------------------------------------------------------------------------------
     def free(self, free_index):
@@ -1058,8 +1244,19 @@ class InstrumentedAllocator:
             plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
             if self._w_raise and self._w_to_raise:
                 self._finish()  # raises: the inner allocator never sees the bad free
-            with self._mirror_on_failure(lambda: apply_all(plans)):
-                result = timed_forward()
+            # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free).
+            before = [p.entries() for p in self._w_pools.values()]
+            clock = self._w_clock
+            t0 = clock()
+            try:
+                result = forward()
+            except BaseException:
+                timing[0] = clock() - t0
+                if before != [p.entries() for p in self._w_pools.values()]:
+                    apply_all(plans)
+                    self._deliver()
+                raise
+            timing[0] = clock() - t0
             apply_all(plans)
         else:
             tensors = [t for _, _, ts in parts for t in ts]
@@ -1093,6 +1290,8 @@ class InstrumentedAllocator:
 
     def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
         """Ledger and events after a free. ``touched``: (pool, distinct owner slots, entries) per pool."""
+        if len(touched) == 1 and touched[0][1].size == 1 and touched[0][0].name == "full":
+            return self._after_free_one(op, touched[0], duration)
         led = self.ledger
         ps = self._w_ps
         slots_all = []
@@ -1123,6 +1322,23 @@ class InstrumentedAllocator:
                 led.tainted.discard(int(s))
             led.dirty.update(int(s) for s in slots)
             self._emit_ledger(op, slots)
+
+    def _after_free_one(self, op: str, touched, duration: float) -> None:
+        """``_after_free`` for the usual free: one request's pages in the one (full) pool, in Python ints."""
+        pool, owners, n_entries = touched
+        led = self.ledger
+        s = int(owners[0])
+        cap = int(led.owned["full"][s]) * self._w_ps
+        allocated = min(int(led.allocated[s]), cap)
+        led.allocated[s] = allocated
+        led.committed[s] = min(int(led.committed[s]), allocated)
+        if self.bus.active:
+            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=(led.rid_of(s),), duration=duration)
+        if all(arr[s] <= 0 for arr in led.owned.values()):
+            led.reset(s)
+            led.tainted.discard(s)
+        led.dirty.add(s)
+        self._emit_ledger(op, owners)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
@@ -1184,7 +1400,7 @@ class InstrumentedAllocator:
         bound = self._w_bound
         if bound is None:
             return None
-        rids, slots, _ = bound
+        rids, slots = bound[0], bound[1]
         if len(rids) != bs:
             self._invalid(op, ArgumentValueError("batch", f"{len(rids)} request ids bound, the call has {bs} requests"))
         return slots
@@ -1194,7 +1410,7 @@ class InstrumentedAllocator:
         bound = self._w_bound
         if bound is None:
             return -1, None
-        rids, slots, lens = bound
+        rids, slots, lens = bound[:3]
         ps = self._w_ps
         if lens is not None and int(lens.sum()) == n:
             shares = lens
@@ -1318,8 +1534,11 @@ class InstrumentedAllocator:
 
     def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
         for pool in self._w_pools.values():
-            self._report(pool.shadow.check_count(pool.entries(), op), pool.name, op)
-        self._check_ledger_pages(op, every_request)
+            bad = pool.shadow.check_count(pool.entries(), op)
+            if bad:
+                self._report(bad, pool.name, op)
+        if every_request or self.ledger.dirty:
+            self._check_ledger_pages(op, every_request)
 
     def _check_ledger_pages(self, op: str, every_request: bool) -> None:
         """Pages each request owns against its ledger. A step boundary compares the requests whose ledger or
@@ -1452,7 +1671,7 @@ class InstrumentedAllocator:
     def _emit(self, cls, **fields) -> None:
         st = self._w_st
         st.seq += 1
-        st.events.append(cls(seq=st.seq, ts=self._w_clock(), step=st.step, **fields))
+        st.events.append(_make_event(cls, st.seq, self._w_clock(), st.step, fields))
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         if self.bus.active:
@@ -1501,9 +1720,10 @@ class InstrumentedAllocator:
                 op=op,
                 rids=rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
                 slots=slots.copy(),
-                allocated=led.allocated[slots].copy(),
-                committed=led.committed[slots].copy(),
-                evicted=led.evicted[slots].copy(),
+                # Gathers by an index array: already copies, owned by the event.
+                allocated=led.allocated[slots],
+                committed=led.committed[slots],
+                evicted=led.evicted[slots],
             )
 
     def _deliver(self) -> None:
