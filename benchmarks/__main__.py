@@ -3,9 +3,9 @@
 
 Sections (see each module's docstring for what exactly is timed): wrapped / bare per operation
 (``bench_ops``), the exporters on vs off (``bench_exporters``), statistics and a scrape vs a sort of the free list,
-recording seek, and the wrapper's memory (``bench_scale``). ``--quick`` (about a third of the time): fewer calls per
-sample, no 4M-page pool, a 1M-event recording instead of 10M. Not measured here: the demo engine's step loop and
-RSS over a 1M-step demo run (they need ``instrumented_alloc.sim``, which is not in this tree yet).
+recording seek, and the wrapper's memory (``bench_scale``), the demo engine's step loop with everything on vs the
+bare allocator and its resident memory over a 1M-step run (``bench_engine``). ``--quick`` (about a third of the
+time): fewer calls per sample, no 4M-page pool, a 1M-event recording instead of 10M, a 100k-step RSS run.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks import bench_exporters, bench_ops, bench_scale
+from benchmarks import bench_engine, bench_exporters, bench_ops, bench_scale
 from benchmarks.common import CLOCKS, table
 
 
@@ -26,14 +26,15 @@ def main(argv=None) -> str:
     p.add_argument("--repeats", type=int, default=5, help="runs per case (the median of them is reported)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu (default) or wall time")
     p.add_argument(
-        "--only", choices=("ops", "exporters", "stats", "seek", "memory"), action="append", help="run only these"
+        "--only", choices=("ops", "exporters", "engine", "stats", "seek", "memory", "rss"), action="append",
+        help="run only these",
     )
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error("--repeats: at least 5 runs per case")
     torch.set_num_threads(1)
     thread_clock, process_clock = CLOCKS[args.clock]
-    only = set(args.only or ("ops", "exporters", "stats", "seek", "memory"))
+    only = set(args.only or ("ops", "exporters", "engine", "stats", "seek", "memory", "rss"))
     started = time.perf_counter()
     rows: list = []
 
@@ -52,7 +53,9 @@ def main(argv=None) -> str:
     )
     section("stats", lambda: bench_scale.stats_rows(repeats=args.repeats, quick=args.quick, clock=thread_clock))
     section("seek", lambda: bench_scale.seek_rows(repeats=args.repeats, quick=args.quick, clock=thread_clock))
+    section("engine", lambda: bench_engine.loop_rows(repeats=args.repeats, quick=args.quick, clock=process_clock))
     section("memory", bench_scale.memory_rows)
+    section("rss", lambda: bench_engine.rss_rows(quick=args.quick))
     title = (
         f"python -m benchmarks{' --quick' if args.quick else ''} --repeats {args.repeats} --clock {args.clock}: "
         f"ratios (memory rows: bytes), median of {args.repeats} runs; torch {torch.__version__}, 1 thread; "

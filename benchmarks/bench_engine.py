@@ -1,0 +1,120 @@
+"""The demo engine's step loop, everything on / bare, and the resident memory of a long demo run.
+
+Step loop: two engines on the same preset, seed and workload -- one driving the bare reference allocator, one the
+wrapper in record mode with the Prometheus exporter (its metrics scraped over HTTP by a thread), the OTel exporter
+(OTLP/HTTP to a receiver in another process, as a collector would be) and the flight recorder -- advance in
+alternating chunks of steps, so both see the same phases of the run (ramp-up, saturation, retraction); the ratio is
+the summed CPU time of the process (writer and exporter threads included) over the chunks of each. One run = one
+pass of ``steps`` steps per engine.
+
+RSS: the resident set of a wrapped demo engine (record mode, no exporters: the soak measures them) at the end of
+its warm-up and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.soak import rss_bytes
+
+PRESET = "swa-128"
+
+
+class _ReceiverProcess:
+    """The OTLP receiver in its own process, so its decoding is not counted as the exporter's cost."""
+
+    def __enter__(self):
+        code = ("import sys, time; from tests.otlp_receiver import Receiver; r = Receiver(keep=False); "
+                "print(r.endpoint, flush=True); sys.stdin.read()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=Path(__file__).resolve().parents[1])
+        self.endpoint = self.proc.stdout.readline().strip()
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _everything_on(seed: int, workdir: Path, endpoint: str):
+    from exporters.otel import OtelExporter
+    from exporters.prometheus import PrometheusExporter
+    from exporters.recorder import FlightRecorder
+    from instrumented_alloc.sim import build_engine
+
+    eng = build_engine(PRESET, seed=seed)
+    prom = PrometheusExporter(eng.alloc, const_labels={"engine": "bench"})
+    port = prom.serve(0)
+    otel = OtelExporter(eng.alloc, endpoint=endpoint)
+    rec = FlightRecorder(eng.alloc, workdir / f"bench-{seed}.sqlite", overwrite=True)
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.wait(1.0):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                r.read()
+
+    th = threading.Thread(target=scrape, daemon=True)
+    th.start()
+
+    def close():
+        stop.set()
+        th.join(timeout=10)
+        rec.close()
+        otel.shutdown()
+        prom.close()
+
+    return eng, close
+
+
+def loop_rows(*, repeats: int, quick: bool, clock) -> list:
+    from instrumented_alloc.sim import build_engine
+
+    steps, chunk = (1500, 100) if quick else (4000, 100)
+    ratios = []
+    with _ReceiverProcess() as rx, tempfile.TemporaryDirectory(prefix="kvalloc-bench-") as tmp:
+        for r in range(repeats):
+            bare = build_engine(PRESET, seed=r, wrapped=False)
+            full, close = _everything_on(r, Path(tmp), rx.endpoint)
+            t_bare = t_full = 0.0
+            try:
+                for _ in range(steps // chunk):
+                    for eng, is_full in ((bare, False), (full, True)):
+                        t0 = clock()
+                        for _ in range(chunk):
+                            eng.step()
+                        dt = clock() - t0
+                        if is_full:
+                            t_full += dt
+                        else:
+                            t_bare += dt
+            finally:
+                close()
+            ratios.append(t_full / t_bare)
+    return [(f"demo step loop ({PRESET}, {steps} steps): everything on / bare", ratios, "<= 1.3")]
+
+
+def rss_rows(*, quick: bool) -> list:
+    from instrumented_alloc.sim import build_engine
+
+    steps = 100_000 if quick else 1_000_000
+    warm = max(2000, steps // 10)
+    eng = build_engine(PRESET, seed=0)
+    t0 = time.perf_counter()
+    eng.run(warm)
+    start = rss_bytes()
+    eng.run(steps - warm)
+    end = rss_bytes()
+    eng.shutdown()
+    label = f"demo RSS over {steps:,} steps ({PRESET}, wrapped, {time.perf_counter() - t0:.0f} s)"
+    return [
+        (f"{label}: bytes after warm-up", [float(start)], "bytes"),
+        (f"{label}: bytes at the end", [float(end)], "bytes"),
+        (f"{label}: end / after warm-up", [end / start], "< 1.05"),
+    ]
