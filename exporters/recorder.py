@@ -979,7 +979,6 @@ class Recording:
             slot_rids={int(s): r for s, r in doc["slot_rids"]} | {int(s): r for r, s, _, _, _ in doc["rows"]},
         )
 
-
     # -- aggregates and ranges (for front ends such as the dashboard: SQL does the counting, nothing here loads
     # the whole recording) ------------------------------------------------------------------------------------
     def event_count(self) -> int:
