@@ -39,8 +39,8 @@ def test_small_pool_one_cell_per_page_with_exact_pixels():
     assert pm.image.shape == (24, 240, 3) and pm.image.dtype == np.uint8
     assert pm.counts == {"free": 6, "used": 0, "staged": 1, "swa_evicted": 0, "reserved": 1, "violation": 2}
     assert sum(pm.counts.values()) == owner.size
-    assert pm.cells.tolist() == [[IX["reserved"], IX["free"], IX["violation"], IX["violation"], IX["free"], IX["staged"],
-                                  IX["free"], IX["free"], IX["free"], IX["free"]]]  # fmt: skip
+    names = ["reserved", "free", "violation", "violation", "free", "staged", "free", "free", "free", "free"]
+    assert pm.cells.tolist() == [[IX[k] for k in names]]
     # The centre pixel of each cell has the state's colour; the last pixel row/column of a cell is the grid line.
     for col, state in ((0, "reserved"), (2, "violation"), (5, "staged"), (9, "free")):
         assert tuple(pm.image[10, col * 24 + 10]) == COLORS[state]
