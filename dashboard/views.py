@@ -170,12 +170,11 @@ def swa_evicted_pages(events: Iterable[ev.Event], pool: str = "swa") -> np.ndarr
             evicted.difference_update(taken.tolist())
             if e.op in SWA_FREE_OPS:
                 pending = freed.tolist()
-            elif freed.size:
+            elif freed.size:  # another kind of free (a finish through free()): not an eviction
                 evicted.difference_update(freed.tolist())
+                pending = []
         elif isinstance(e, ev.SwaEvict):
             evicted.update(pending)
-            pending = []
-        elif isinstance(e, ev.Free) and e.pool == pool and e.op not in SWA_FREE_OPS:
             pending = []
     return np.array(sorted(evicted), np.int64)
 

@@ -1,0 +1,213 @@
+"""The Streamlit app through Streamlit's AppTest (the real script, run headless in-process) on recordings with
+injected faults: violation ids, steps and request ids on the page; the step slider and the jump-to-violation
+picker change the page map; a request's lifeline shows the ledger values the recording holds; bad input is a
+message on the page, never a traceback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dashboard import data
+from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
+from dashboard.pagemap import page_map
+from exporters.recorder import Recording
+
+try:
+    from streamlit.testing.v1 import AppTest
+except ImportError:  # pragma: no cover - the dashboard extra is not installed
+    AppTest = None
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+
+
+@pytest.fixture
+def app(recordings, monkeypatch):
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+
+    def run(name: str, **env):
+        monkeypatch.setenv(ENV_DIR, str(recordings.dir))
+        monkeypatch.setenv(ENV_RECORDING, name)
+        monkeypatch.setenv(ENV_REFRESH, "3600")  # AppTest runs the live fragment once per run
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return run
+
+
+def table(at, i: int) -> list[dict]:
+    """Rows of the i-th table: 0 the step's pool figures, 1 its violations, 2 the summary, 3 every violation,
+    then the lifeline."""
+    return at.dataframe[i].value.to_dict("records")
+
+
+def legend_counts(at) -> dict:
+    """Pool -> {state label: pages} from the page map legends, in page order."""
+    out = {}
+    titles = [m.value for m in at.markdown if m.value.startswith("**Page map: pool")]
+    legends = [m.value for m in at.markdown if "background:#" in m.value]
+    for title, legend in zip(titles, legends):
+        pool = re.search(r"pool `(\w+)`", title).group(1)
+        out[pool] = {k: int(n.replace(",", "")) for k, n in re.findall(r"&nbsp;([^:<]+): <b>([\d,]+)</b>", legend)}
+    return out
+
+
+def test_incident_review_opens_at_the_first_violation(app, recordings):
+    (_, s1, rid1), (_, s2, rid2) = recordings.faults
+    assert (s1, rid1, s2, rid2) == (30, "req-8", 70, "req-19")
+    at = app("faults.sqlite")
+    assert at.slider(key="step").value == 30
+    assert "**Violations at step 30: 1**" in [m.value for m in at.markdown]
+    here = table(at, 1)
+    assert [(r["step"], r["invariant"], r["request"], r["op"]) for r in here] == [
+        (30, "swa_evicted_seqlen_page_aligned", "req-8", "ledger")
+    ]
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        recorded = r.violations()
+        counts = r.violation_counts()
+    # The full list is exactly what the recording holds, in order; the injected faults are in it.
+    every = table(at, 3)
+    assert [(x["step"], x["invariant"], x["request"]) for x in every] == [
+        (v.step, v.invariant, "" if v.rid is None else v.rid) for v in recorded
+    ]
+    assert (70, "double_free", "req-19") in [(x["step"], x["invariant"], x["request"]) for x in every]
+    assert {x["invariant"]: x["violations"] for x in table(at, 2)} == counts
+    jump = at.selectbox(key="jump")
+    assert jump.options[0] == "#1 step 30 · swa_evicted_seqlen_page_aligned · req-8"
+    assert "#2 step 70 · double_free · req-19" in jump.options
+
+
+def test_the_step_slider_changes_the_page_map(app, recordings):
+    at = app("faults.sqlite")
+    before = legend_counts(at)
+    urls_before = [im.proto.imgs[0].url for im in at.image]
+    at.slider(key="step").set_value(12).run()
+    assert not at.exception
+    after = legend_counts(at)
+    assert [im.proto.imgs[0].url for im in at.image] != urls_before
+    assert after != before
+    # The page map of step 12 is the state at the end of step 12: the same as the replayed boundary 13.
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        state = r.state_at(13)
+        violations = r.violations()
+    for pool in ("full", "swa"):
+        pm = page_map(state.owners[pool], violation_slots=set())
+        # No violation up to step 12: nothing is marked, the counts are the plain page states.
+        assert after[pool]["used"] == pm.counts["used"]
+        assert (
+            after[pool]["free"] + after[pool].get("SWA-evicted (released by an SWA eviction)", 0) == pm.counts["free"]
+        )
+        assert after[pool]["in a violation (owned by a request a violation names)"] == 0
+    assert not [v for v in violations if v.step <= 12]
+    # At step 30 the violating request's pages are marked.
+    assert before["full"]["in a violation (owned by a request a violation names)"] > 0
+
+
+def test_jump_to_a_violation_moves_the_slider(app):
+    at = app("faults.sqlite")
+    at.selectbox(key="jump").set_value("#2 step 70 · double_free · req-19").run()
+    assert not at.exception
+    assert at.slider(key="step").value == 70
+    here = table(at, 1)
+    assert ("double_free", "req-19", "free_full") in [(r["invariant"], r["request"], r["op"]) for r in here]
+
+
+def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
+    at = app("faults.sqlite")
+    at.selectbox(key="request").set_value("req-8").run()
+    assert not at.exception
+    rows = table(at, len(at.dataframe) - 1)
+    marked = [r for r in rows if r["mark"]]
+    assert [(r["step"], r["event"], r["mark"]) for r in marked] == [
+        (30, "REJECTED write: swa_evicted_seqlen_page_aligned", "◀ violating write")
+    ]
+    assert "swa_evicted_seqlen=1 is not a non-negative multiple of page_size=4" in marked[0]["detail"]
+    assert rows[-1]["event"] == "released"
+    text = " ".join(m.value for m in at.markdown)
+    assert "Request **req-8**" in text and "none recorded (no trace was active)" in text
+    # Every row's ledger values at the end of its step equal the replayed ledger of the recording at that step.
+    # A row holds the values at the end of its step when the next row starts in a later step (a collapsed decode
+    # row "alloc_decode x N (steps a-b)": at the end of step b).
+    last_per_step = {}
+    for row, nxt in zip(rows, [*rows[1:], None]):
+        run = re.search(r"\(steps \d+-(\d+)\)", row["event"])
+        end = int(run.group(1)) if run else row["step"]
+        if nxt is None or nxt["step"] > end:
+            last_per_step[end] = row
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        checked = 0
+        for step, row in last_per_step.items():
+            led = data.state_end_of(r, step).ledger.get("req-8")
+            if led is None:  # released in that step
+                continue
+            assert (row["kv_allocated_len"], row["kv_committed_len"], row["swa_evicted_seqlen"]) == tuple(led), step
+            checked += 1
+    assert checked >= 3
+    evicted = [r["swa_evicted_seqlen"] for r in rows if r["kv_allocated_len"] > 0]  # free_full zeroes the row
+    assert evicted == sorted(evicted) and evicted[-1] > 0 and all(x % 4 == 0 for x in evicted)
+
+
+def test_live_view_shows_counts_and_newest_violations_first(app, recordings):
+    at = app("faults.sqlite")
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        n = len(r.violations())
+        last = r.steps()[1]
+        newest = r.violations()[-1]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["violations"] == str(n) and metrics["step"] == str(last) and metrics["recording"] == "finished"
+    vrows = next(t.value.to_dict("records") for t in at.dataframe if "invariant" in t.value.columns)
+    assert (vrows[0]["step"], vrows[0]["invariant"]) == (newest.step, newest.invariant)
+    assert [x["step"] for x in vrows] == sorted((x["step"] for x in vrows), reverse=True)
+    assert len(at.image) == 2  # the page maps of both pools
+
+
+def test_clean_recording_has_no_violation(app):
+    at = app("clean.sqlite")
+    assert "**Violations at step 40: 0**" in [m.value for m in at.markdown]
+    assert not [s for s in at.selectbox if s.key == "jump"]
+    assert not at.error
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("missing.sqlite", r"missing\.sqlite: no such file \(expected a flight recording\)"),
+        ("notes.sqlite", r"notes\.sqlite (is not a flight recording|cannot be opened)"),
+        ("empty.sqlite", r"empty\.sqlite is not a flight recording \(no table"),
+        ("truncated.sqlite", r"truncated\.sqlite"),
+        ("../outside.sqlite", r"outside the dashboard's recording directory"),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(app, name, expected):
+    at = app(name)
+    assert len(at.error) == 1
+    assert re.search(expected, at.error[0].value), at.error[0].value
+    assert "Traceback" not in at.error[0].value
+
+
+def test_recording_cut_off_by_a_crash_is_shown_up_to_its_last_transaction(app, recordings):
+    at = app("crashed.sqlite")
+    assert not at.error
+    caption = " ".join(c.value for c in at.caption)
+    assert "not closed (still being written, or cut off by a crash)" in caption
+    _, fault, step, rid = recordings.crashed_fault
+    assert (fault, step) == ("leak", "5")
+    every = table(at, 3)
+    assert ("request_leak", rid) in [(x["invariant"], x["request"]) for x in every]
+
+
+def test_a_recording_without_events_says_so(app):
+    at = app("fresh.sqlite")
+    assert not at.error
+    assert [i.value for i in at.info] == ["This recording has no events yet: only the state when recording started."]
+    assert len(at.image) == 2
