@@ -169,8 +169,10 @@ def incident(rdir: data.RecordingDir, name: str) -> None:
             _figures(state, ov)
             here = [v for v in violations if v.step == step]
             st.markdown(f"**Violations at step {step}: {len(here)}**")
-            if here:
-                st.dataframe(views.violation_rows(here, newest_first=False), hide_index=True)
+            for line in views.violation_lines(here[:20]):
+                st.markdown(line)
+            if len(here) > 20:
+                st.caption(f"... and {len(here) - 20} more in the list below")
         st.subheader(f"All violations ({len(violations)})")
         st.dataframe(views.violation_summary(rec.violation_counts()), hide_index=True)
         st.dataframe(views.violation_rows(violations, newest_first=False), hide_index=True)

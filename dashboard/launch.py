@@ -56,6 +56,7 @@ def command(recording=None, *, port: int = 8501, directory=None, refresh: float 
         "--browser.gatherUsageStats", "false",
         "--server.fileWatcherType", "none",
         "--global.developmentMode", "false",
+        "--client.toolbarMode", "viewer",
     ]  # fmt: skip
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])

@@ -44,6 +44,23 @@ def violation_rows(violations: Iterable[Violation], *, newest_first: bool = True
     return rows if limit is None else rows[:limit]
 
 
+def violation_lines(violations: Iterable[Violation]) -> list:
+    """One markdown line per violation, in order: ":red[**invariant**] · request **rid** · op (pool): message"."""
+    out = []
+    for v in violations:
+        who = "no request" if v.rid is None else f"request **{v.rid}**"
+        where = v.op + (f" ({v.pool})" if v.pool else "")
+        out.append(f":red[**{v.invariant}**] · {who} · {where}: {_md(v.message)}")
+    return out
+
+
+def _md(text: str) -> str:
+    """Plain text inside markdown: characters markdown would interpret are escaped."""
+    for ch in "\\`*_[]<>#|~$":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
 def violation_summary(counts: Mapping[str, int]) -> list:
     """Rows (invariant, violations) from ``Recording.violation_counts()``, as given (most frequent first)."""
     return [{"invariant": k, "violations": int(n)} for k, n in counts.items()]

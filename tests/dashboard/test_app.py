@@ -44,8 +44,8 @@ def app(recordings, monkeypatch):
 
 
 def table(at, i: int) -> list[dict]:
-    """Rows of the i-th table: 0 the step's pool figures, 1 its violations, 2 the summary, 3 every violation,
-    then the lifeline."""
+    """Rows of the i-th table: 0 the step's pool figures, 1 the violation summary, 2 every violation, then the
+    lifeline."""
     return at.dataframe[i].value.to_dict("records")
 
 
@@ -66,20 +66,21 @@ def test_incident_review_opens_at_the_first_violation(app, recordings):
     at = app("faults.sqlite")
     assert at.slider(key="step").value == 30
     assert "**Violations at step 30: 1**" in [m.value for m in at.markdown]
-    here = table(at, 1)
-    assert [(r["step"], r["invariant"], r["request"], r["op"]) for r in here] == [
-        (30, "swa_evicted_seqlen_page_aligned", "req-8", "ledger")
-    ]
+    i = [m.value for m in at.markdown].index("**Violations at step 30: 1**")
+    assert at.markdown[i + 1].value.startswith(
+        ":red[**swa_evicted_seqlen_page_aligned**] · request **req-8** · ledger: swa\\_evicted\\_seqlen=1 is not a "
+        "non-negative multiple of page\\_size=4"
+    )
     with Recording(recordings.dir / "faults.sqlite") as r:
         recorded = r.violations()
         counts = r.violation_counts()
     # The full list is exactly what the recording holds, in order; the injected faults are in it.
-    every = table(at, 3)
+    every = table(at, 2)
     assert [(x["step"], x["invariant"], x["request"]) for x in every] == [
         (v.step, v.invariant, "" if v.rid is None else v.rid) for v in recorded
     ]
     assert (70, "double_free", "req-19") in [(x["step"], x["invariant"], x["request"]) for x in every]
-    assert {x["invariant"]: x["violations"] for x in table(at, 2)} == counts
+    assert {x["invariant"]: x["violations"] for x in table(at, 1)} == counts
     jump = at.selectbox(key="jump")
     assert jump.options[0] == "#1 step 30 · swa_evicted_seqlen_page_aligned · req-8"
     assert "#2 step 70 · double_free · req-19" in jump.options
@@ -116,8 +117,8 @@ def test_jump_to_a_violation_moves_the_slider(app):
     at.selectbox(key="jump").set_value("#2 step 70 · double_free · req-19").run()
     assert not at.exception
     assert at.slider(key="step").value == 70
-    here = table(at, 1)
-    assert ("double_free", "req-19", "free_full") in [(r["invariant"], r["request"], r["op"]) for r in here]
+    lines = [m.value for m in at.markdown]
+    assert ":red[**double_free**] · request **req-19** · free_full (full): free\\_full frees" in "\n".join(lines)
 
 
 def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
@@ -202,7 +203,7 @@ def test_recording_cut_off_by_a_crash_is_shown_up_to_its_last_transaction(app, r
     assert "not closed (still being written, or cut off by a crash)" in caption
     _, fault, step, rid = recordings.crashed_fault
     assert (fault, step) == ("leak", "5")
-    every = table(at, 3)
+    every = table(at, 2)
     assert ("request_leak", rid) in [(x["invariant"], x["request"]) for x in every]
 
 

@@ -39,6 +39,11 @@ def test_violation_rows_newest_first_and_limited():
         ("#2 step 7 · request_leak", 7),
         ("#3 step 9 · pool_conservation · 12", 9),
     ]
+    assert views.violation_lines(vs[:2]) == [
+        ":red[**double_free**] · request **a** · free (full): m",
+        ":red[**request_leak**] · no request · free (full): m",
+    ]
+    assert views.violation_lines([V("x", 1, msg="a_b [1, 2] `c` *d*")])[0].endswith("a\\_b \\[1, 2\\] \\`c\\` \\*d\\*")
     assert views.violation_summary({"double_free": 2, "request_leak": 1}) == [
         {"invariant": "double_free", "violations": 2},
         {"invariant": "request_leak", "violations": 1},

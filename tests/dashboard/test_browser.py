@@ -1,0 +1,162 @@
+"""The dashboard in a real browser: ``instrumented-alloc dashboard`` (a subprocess, streamlit on 127.0.0.1)
+opened in headless Chromium through Playwright.
+
+- Incident review of a recording with injected faults: the violation id is on the page, the page map is drawn
+  (an image with pixels), and the screenshot is kept under ``test-artifacts/`` (git-ignored).
+- Live: while a process writes a recording with faults injected as it goes, the page's violation count grows,
+  with no reload of the page (a marker set in the page's window survives).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.ci import missing
+from tests.dashboard.conftest import read_line, scenario_process
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+VIOLATIONS_METRIC = '[data-testid="stMetric"]:has-text("violations") [data-testid="stMetricValue"]'
+# The same value read in the page (CSS has no :has-text): the metric whose label is "violations".
+READ_VIOLATIONS = """() => {
+  for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+    const label = m.querySelector('[data-testid="stMetricLabel"]');
+    if (label && label.innerText.trim() === 'violations')
+      return parseInt(m.querySelector('[data-testid="stMetricValue"]').innerText.replace(/,/g, ''));
+  }
+  return -1;
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("playwright is not installed (pip install -e '.[dashboard,test]')")
+    if not (shutil.which(CHROMIUM) or os.path.exists(CHROMIUM)):
+        missing(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Dashboard:
+    """``instrumented-alloc dashboard RECORDING --port N`` as a subprocess, until ``stop()``."""
+
+    def __init__(self, recording, *extra):
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.log = Path(recording).with_suffix(".dashboard.log")
+        self.out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "instrumented_alloc.cli", "dashboard", str(recording), "--port", str(self.port),
+             *extra],
+            cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}/"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(self.url + "_stcore/health", timeout=2) as r:
+                    if r.read().strip() == b"ok":
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"the dashboard did not come up: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.out.close()
+
+
+def test_incident_review_in_chromium(browser, recordings):
+    dash = Dashboard(recordings.dir / "faults.sqlite")
+    try:
+        # Streamlit scrolls inside its own container: a tall window is what puts the whole page in the screenshot.
+        page = browser.new_page(viewport={"width": 1500, "height": 2600})
+        page.goto(dash.url)
+        page.wait_for_selector("text=Violations at step 30: 1", timeout=60_000)
+        page.wait_for_selector('[data-testid="stImage"] img', timeout=30_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('[data-testid=\"stImage\"] img')]"
+            ".filter(i => i.complete && i.naturalWidth > 0).length >= 2",
+            timeout=30_000,
+        )
+        body = page.inner_text("body")
+        assert "swa_evicted_seqlen_page_aligned" in body and "req-8" in body
+        assert "Traceback" not in body
+        sizes = page.eval_on_selector_all(
+            '[data-testid="stImage"] img', "els => els.map(i => [i.naturalWidth, i.naturalHeight])"
+        )
+        assert sizes == [[768, 72], [768, 72]]  # 65 pages (page 0 too), 32 per row, 24 px cells: 3 rows
+        time.sleep(0.5)  # let the charts settle before the picture
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-incident.png"), full_page=True)
+        page.get_by_text("Live", exact=True).click()
+        page.wait_for_selector(VIOLATIONS_METRIC, timeout=30_000)
+        page.wait_for_selector('[data-testid="stImage"] img', timeout=30_000)
+        time.sleep(1.0)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-live-finished.png"), full_page=True)
+        page.close()
+    finally:
+        dash.stop()
+
+
+def test_live_view_follows_a_recording_being_written(browser, tmp_path):
+    path = tmp_path / "live.sqlite"
+    faults = [f"leak@{s}" for s in range(10, 2000, 15)]
+    writer = scenario_process(path, "--steps", "2000", "--pace", "25", *[a for f in faults for a in ("--inject", f)])
+    dash = None
+    try:
+        read_line(writer, "recording")
+        dash = Dashboard(path, "--refresh", "0.5")
+        page = browser.new_page(viewport={"width": 1500, "height": 2200})
+        page.goto(dash.url)
+        page.get_by_text("Live", exact=True).click()
+        page.wait_for_selector(VIOLATIONS_METRIC, timeout=60_000)
+        page.evaluate("() => { window.__not_reloaded = 'yes'; }")
+        first = int(page.inner_text(VIOLATIONS_METRIC))
+        # The count grows while we only watch: the fragment re-runs on its own, the page is never reloaded.
+        assert page.evaluate(READ_VIOLATIONS) == first
+        page.wait_for_function(f"() => ({READ_VIOLATIONS})() >= {first + 2}", timeout=60_000)
+        later = int(page.inner_text(VIOLATIONS_METRIC))
+        assert later >= first + 2
+        assert page.evaluate("() => window.__not_reloaded") == "yes"
+        assert "being written" in page.inner_text("body")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
+        page.close()
+    finally:
+        if dash is not None:
+            dash.stop()
+        writer.kill()
+        writer.wait(10)
