@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo dashboard test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/instrumented-alloc demo
+
+# The Streamlit app on 127.0.0.1:8501; RECORDING=path selects a recording (its directory is the one served).
+RECORDING ?=
+dashboard: $(STAMP)
+	$(BIN)/instrumented-alloc dashboard $(RECORDING)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
