@@ -30,7 +30,8 @@ LIVE_STEPS = 500  # the live violation list covers this many newest steps
 
 def _refresh() -> float:
     try:
-        return max(0.2, float(os.environ.get(ENV_REFRESH, "2")))
+        # A refresh must not come before the last one finished (a fragment re-run interrupts the running one).
+        return max(1.0, float(os.environ.get(ENV_REFRESH, "2")))
     except ValueError:
         return 2.0
 
@@ -113,7 +114,7 @@ def _live(rec) -> None:
         st.caption("none yet")
     st.subheader("Fragmentation over the recent snapshots")
     frag = []
-    for s in rec.snapshot_steps()[-20:]:
+    for s in rec.snapshot_steps()[-8:]:
         for row in views.step_figures(data.state_at(rec, s), ov.pools, ov.meta.get("sliding_window"))["pools"]:
             frag.append({"step": s, **row})
     st.dataframe(frag, hide_index=True, height=220)

@@ -75,7 +75,10 @@ class RecordingDir:
         try:
             return Recording(p)
         except RecordingError as exc:  # RecordingNotFoundError included
-            raise DashboardInputError(str(exc)) from exc
+            msg = str(exc)
+            if "malformed" in msg:
+                msg += ": the file is damaged or incomplete (cut short, or copied without its -wal file)"
+            raise DashboardInputError(msg) from exc
 
 
 @dataclass(frozen=True)

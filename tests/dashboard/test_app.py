@@ -185,7 +185,11 @@ def test_clean_recording_has_no_violation(app):
         ("missing.sqlite", r"missing\.sqlite: no such file \(expected a flight recording\)"),
         ("notes.sqlite", r"notes\.sqlite (is not a flight recording|cannot be opened)"),
         ("empty.sqlite", r"empty\.sqlite is not a flight recording \(no table"),
-        ("truncated.sqlite", r"truncated\.sqlite"),
+        (
+            "truncated.sqlite",
+            r"truncated\.sqlite is not a flight recording \(database disk image is malformed\): "
+            r"the file is damaged or incomplete",
+        ),
         ("../outside.sqlite", r"outside the dashboard's recording directory"),
     ],
 )

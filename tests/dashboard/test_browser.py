@@ -133,12 +133,12 @@ def test_incident_review_in_chromium(browser, recordings):
 
 def test_live_view_follows_a_recording_being_written(browser, tmp_path):
     path = tmp_path / "live.sqlite"
-    faults = [f"leak@{s}" for s in range(10, 2000, 15)]
+    faults = [f"swa-misaligned@{s}" for s in range(10, 2000, 10)]  # rejected writes: the pools never run out
     writer = scenario_process(path, "--steps", "2000", "--pace", "25", *[a for f in faults for a in ("--inject", f)])
     dash = None
     try:
         read_line(writer, "recording")
-        dash = Dashboard(path, "--refresh", "0.5")
+        dash = Dashboard(path, "--refresh", "2")
         page = browser.new_page(viewport={"width": 1500, "height": 2200})
         page.goto(dash.url)
         page.get_by_text("Live", exact=True).click()
