@@ -20,6 +20,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from dashboard import data, pagemap, views  # noqa: E402
@@ -199,8 +200,12 @@ def _request(rec, ov: data.Overview, state, violations) -> None:
         + (f"released at step {life['released']}" if life["released"] is not None else "not released in the recording")
     )
     if life["ledger"]["step"]:
-        st.line_chart(life["ledger"], x="step")
-    st.dataframe(life["rows"], hide_index=True)
+        st.caption("Ledger values over time (tokens)")
+        st.line_chart(life["ledger"], x="step", height=220)
+    table = pd.DataFrame(life["rows"])
+    # The violating rows stand out (red background); the rest of the table stays plain.
+    styled = table.style.apply(lambda r: ["background-color: #fee2e2" if r["mark"] else "" for _ in r], axis=1)
+    st.dataframe(styled, hide_index=True, column_config={"mark": st.column_config.TextColumn(width="medium")})
 
 
 # -- page ------------------------------------------------------------------------------------------------------------

@@ -230,9 +230,9 @@ def lifeline(rid, events: Iterable[ev.Event], *, start_ledger: Sequence[int] | N
     """One request's KV history from ``events`` (in seq order; events of other requests are ignored).
 
     Returns {"rows": [...], "ledger": {"step", "kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen"},
-    "trace_id", "violations", "released"}. A row: step, seq (first seq of the row), event (what happened),
-    kv_allocated_len / kv_committed_len / swa_evicted_seqlen (the ledger after it), mark ("◀ violating write"
-    for a rejected ledger write, "⚠ <invariant>" for another violation, else ""), detail. Consecutive events of
+    "trace_id", "violations", "released"}. A row: step, mark ("◀ violating write" for a rejected ledger write,
+    "⚠ <invariant>" for another violation, else ""), event (what happened), kv_allocated_len / kv_committed_len /
+    swa_evicted_seqlen (the ledger after it), detail, seq (the first event's seq). Consecutive events of
     one call (its pools, its ledger update) are one row; consecutive decode steps are one row ("alloc_decode x N").
     ``start_ledger``: the request's ledger row before the first event (None: zeros)."""
     cur = list(start_ledger) if start_ledger is not None else [0, 0, 0]
@@ -314,13 +314,13 @@ def lifeline(rid, events: Iterable[ev.Event], *, start_ledger: Sequence[int] | N
         rows.append(
             {
                 "step": int(step),
-                "seq": int(seq),
+                "mark": mark,
                 "event": text,
                 "kv_allocated_len": led[0],
                 "kv_committed_len": led[1],
                 "swa_evicted_seqlen": led[2],
-                "mark": mark,
                 "detail": detail,
+                "seq": int(seq),
             }
         )
     return {

@@ -118,7 +118,9 @@ def test_incident_review_in_chromium(browser, recordings):
             '[data-testid="stImage"] img', "els => els.map(i => [i.naturalWidth, i.naturalHeight])"
         )
         assert sizes == [[768, 72], [768, 72]]  # 65 pages (page 0 too), 32 per row, 24 px cells: 3 rows
-        time.sleep(0.5)  # let the charts settle before the picture
+        page.wait_for_selector('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg',
+                               timeout=30_000)  # fmt: skip
+        time.sleep(1.0)  # let the charts finish drawing before the picture
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard-incident.png"), full_page=True)
         page.get_by_text("Live", exact=True).click()
