@@ -106,16 +106,15 @@ def _live(rec) -> None:
     bucket = max(1, (ov.last - ov.first + 1) // 200)
     counts = rec.event_counts(("SwaEvict", "AllocFailed", "ViolationEvent"), bucket=bucket)
     st.subheader(f"SWA evictions, alloc failures and violations per {bucket} step{'s' if bucket > 1 else ''}")
-    table = views.count_series(
-        counts, {"SwaEvict": "SWA evictions", "AllocFailed": "alloc failures", "ViolationEvent": "violations"}
-    )
-    if table["step"]:
+    labels = {"SwaEvict": "SWA evictions", "AllocFailed": "alloc failures", "ViolationEvent": "violations"}
+    table = views.count_series(counts, labels, (ov.first, ov.last), bucket)
+    if any(any(table[k]) for k in labels.values()):
         st.bar_chart(table, x="step")
     else:
         st.caption("none yet")
-    st.subheader("Fragmentation over the recent snapshots")
+    st.subheader("Fragmentation at the recent snapshots, newest first")
     frag = []
-    for s in rec.snapshot_steps()[-8:]:
+    for s in reversed(rec.snapshot_steps()[-8:]):  # newest first
         for row in views.step_figures(data.state_at(rec, s), ov.pools, ov.meta.get("sliding_window"))["pools"]:
             frag.append({"step": s, **row})
     st.dataframe(frag, hide_index=True, height=220)

@@ -86,10 +86,16 @@ def occupancy_series(series: Sequence, pools: Sequence[Mapping]) -> dict:
     return out
 
 
-def count_series(counts: Mapping[str, Sequence], labels: Mapping[str, str]) -> dict:
+def count_series(
+    counts: Mapping[str, Sequence], labels: Mapping[str, str], span: tuple[int, int] | None = None, bucket: int = 1
+) -> dict:
     """Per-bucket event counts from ``Recording.event_counts()`` as one table: {"step": [...], label: [...]},
-    zeros where a kind had no event in a bucket."""
+    zeros where a kind had no event in a bucket. With ``span`` (first, last step) every bucket of the span is a
+    row (a continuous axis: quiet steps show as zeros); without it, only the buckets that had events."""
     steps = sorted({b for rows in counts.values() for b, _ in rows})
+    if span is not None:
+        bucket = max(1, int(bucket))
+        steps = list(range(span[0] // bucket * bucket, span[1] + 1, bucket))
     out: dict = {"step": steps}
     for kind, label in labels.items():
         got = dict(counts.get(kind, ()))

@@ -60,6 +60,10 @@ def test_occupancy_and_count_series():
         "evictions": [3, 0, 1],
         "failures": [0, 2, 0],
     }
+    assert views.count_series(counts, {"SwaEvict": "evictions"}, (3, 47), 10) == {
+        "step": [0, 10, 20, 30, 40],
+        "evictions": [3, 0, 1, 0, 0],
+    }
 
 
 def _state():
