@@ -157,17 +157,31 @@ def request_history(rec: Recording, rid, first_step: int) -> tuple[list, tuple |
     if not released:
         hi = rec.steps()[1]
     start_ledger = None
-    snaps = [s for s in rec.snapshot_steps() if s <= lo]
-    for s in reversed(snaps[-50:]):  # a request lives a bounded number of snapshot intervals
-        try:
-            st = rec.state_at(s)
-        except ValueError:
-            break
-        if rid not in st.ledger:
-            lo = s
-            break
-        lo = s
-        start_ledger = tuple(st.ledger[rid])
+    # The request is live at every snapshot from its first allocation to ``lo``: binary-search the newest snapshot
+    # at which it was not (a handful of replays of snapshot steps, each a base with no event to apply).
+    snaps = [s for s in rec.snapshot_steps() if s <= lo][-64:]
+    live_at = {}
+
+    def live(i: int) -> bool:
+        if i not in live_at:
+            try:
+                row = rec.state_at(snaps[i]).ledger.get(rid)
+            except ValueError:
+                row = None
+            live_at[i] = row
+        return live_at[i] is not None
+
+    a, b = 0, len(snaps) - 1
+    if snaps and live(a):
+        lo, start_ledger = snaps[0], tuple(live_at[0])  # born before the oldest snapshot searched
+    elif snaps:
+        while a < b:  # invariant: not live at a
+            m = (a + b + 1) // 2
+            if live(m):
+                b = m - 1
+            else:
+                a = m
+        lo = snaps[a]
     lo = max(lo, hi - LIFELINE_MAX_STEPS, first_step)
     if lo > first_step and start_ledger is None:
         st = state_at(rec, lo)
