@@ -4,8 +4,8 @@ Writes (once; reused with ``--keep PATH``) a recording of about ``--events`` eve
 seeded engine (SWA pools of ``--pages`` pages, faults injected at a few steps), then runs the real app script
 headless (Streamlit's AppTest: the whole script, every query, replay, page map and PNG encoding, no browser
 paint) at several steps: the first violation, the middle, the last step, and steps chosen at random, and
-prints the time of each full render. Also prints the parts (state at the step, page maps, lifeline) measured on
-their own. A measurement, not a test: nothing is asserted.
+prints the time of each full render, then the live view's. Also prints the parts (state at the step, page
+maps, lifeline) measured on their own. A measurement, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def main(argv=None) -> int:
         times.append(dt)
         print(f"  step {step:>7} ({label:<15}) {dt * 1000:8.0f} ms")
     print(f"  median {statistics.median(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms over {len(times)} steps")
+    at.radio(key="view").set_value("Live")
+    live = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        at.run()
+        live.append(time.perf_counter() - t0)
+        assert not at.exception, [e.value for e in at.exception]
+    print(f"live view (whole script, once per refresh): median {statistics.median(live) * 1000:.0f} ms of 3")
 
     print("\nparts, on their own (median of 3):")
     with Recording(path) as r:
