@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo dashboard test lint bench clean
+.PHONY: setup demo dashboard test lint bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,12 @@ $(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
 
 setup: $(STAMP)
 
+# The main job: the demo engine until Ctrl-C, serving metrics, recording, with the seed's bug injected.
+DEMO_ARGS ?= --preset swa-128 --inject swa-misaligned --inject leak
+DEMO_RECORDING ?= recordings/demo.sqlite
 demo: $(STAMP)
-	$(BIN)/instrumented-alloc demo
+	@mkdir -p $(dir $(DEMO_RECORDING))
+	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite --dashboard
 
 # The Streamlit app on 127.0.0.1:8501; RECORDING=path selects a recording (its directory is the one served).
 RECORDING ?=
@@ -37,6 +41,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# 1,000,000 demo steps with every exporter on; SOAK_ARGS="--steps 100000" for a shorter one.
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

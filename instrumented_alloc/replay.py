@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from instrumented_alloc import events as ev
-from instrumented_alloc.shadow import PRISTINE, RESERVED, PoolSnapshot
+from instrumented_alloc.shadow import PRISTINE, RESERVED, LedgerSnapshot, PoolSnapshot
 
 LEDGER_FIELDS = {"kv_allocated_len": 0, "kv_committed_len": 1, "swa_evicted_seqlen": 2}
 
@@ -209,3 +209,32 @@ def state_at(bases: Iterable[ReplayState], events: Iterable[ev.Event], step: int
         raise ValueError(f"step {step}: no base snapshot at or before it")
     base = max(usable, key=lambda b: b.seq)
     return apply(base, (e for e in events if e.seq <= end))
+
+
+def to_snapshots(state: ReplayState, *, page_size: int, sliding_window: int | None = None) -> dict[str, PoolSnapshot]:
+    """The replayed state as ``alloc.snapshot()`` would have returned it (one ``PoolSnapshot`` per pool), so
+    ``stats.figures`` reads a recording exactly as it reads a live allocator. Ledger rows whose slot no page
+    names get slot -1 (they hold no pages, so no figure counts them by slot)."""
+    slot_of = {rid: s for s, rid in state.slot_rids.items()}
+    rids = tuple(state.ledger)
+    rows = [state.ledger[r] for r in rids]
+    ledger = LedgerSnapshot(
+        rids=rids,
+        slots=np.array([slot_of.get(r, -1) for r in rids], np.int64),
+        allocated=np.array([r.allocated for r in rows], np.int64),
+        committed=np.array([r.committed for r in rows], np.int64),
+        evicted=np.array([r.evicted for r in rows], np.int64),
+        sliding_window=sliding_window,
+    )
+    return {
+        name: PoolSnapshot(
+            pool=name,
+            page_size=int(page_size),
+            num_pages=int(owner.size - 1),
+            owner=owner.copy(),
+            step=state.step,
+            ledger=ledger,
+            slot_rids=state.rids_in(name),
+        )
+        for name, owner in state.owners.items()
+    }

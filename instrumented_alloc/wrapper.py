@@ -978,10 +978,20 @@ class InstrumentedAllocator:
             self._violate(
                 "segment_start_unaligned",
                 f"{op}: start_pos={start} is not a multiple of page_size={self._w_ps}",
+                slot=self._segment_owner(free_index),
                 op=op,
                 pool="full",
             )
             self._finish()
+
+    def _segment_owner(self, free_index) -> int:
+        """The ledger slot owning the segment's first page, to name the request; -1 when unknown. Reads an index
+        value, so only for host tensors: on an accelerator that would be a sync, and the request stays unnamed."""
+        if free_index.device.type != "cpu" or free_index.numel() == 0:
+            return -1
+        page = int(free_index[0]) // self._w_ps
+        owner = self._w_full.shadow.owner
+        return int(owner[page]) if 0 <= page < owner.size else -1
 
     def _free(self, op: str, forward: Callable, parts: list):
         """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""

@@ -1,15 +1,24 @@
-"""The command line, through the installed console script (a real subprocess)."""
+"""The command line, through the installed console script (real subprocesses), plus a few in-process runs
+where only the result matters (the same seed gives the same recording)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from instrumented_alloc.sim.scripted import run
+from exporters.recorder import Recording
+from instrumented_alloc import cli
+from instrumented_alloc.sim import FAULTS, PRESETS
 
 
 def _script() -> list[str]:
@@ -22,40 +31,209 @@ def _script() -> list[str]:
     return [found]
 
 
+def _run(*args, timeout=180):
+    return subprocess.run([*_script(), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(res, *needles):
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
 def test_help_lists_the_commands():
-    res = subprocess.run([*_script(), "--help"], capture_output=True, text=True, timeout=60)
+    res = _run("--help")
     assert res.returncode == 0
-    assert "demo" in res.stdout
+    for cmd in ("demo", "check", "replay", "presets"):
+        assert cmd in res.stdout
+    demo = _run("demo", "--help")
+    assert demo.returncode == 0
+    for opt in ("--preset", "--steps", "--duration", "--rate", "--seed", "--mode", "--inject", "--page-size",
+                "--metrics-port", "--record", "--otlp-endpoint", "--dashboard", "--trace"):
+        assert opt in demo.stdout
+
+
+def test_presets_lists_every_preset_and_fault():
+    res = _run("presets")
+    assert res.returncode == 0
+    for name in PRESETS:
+        assert f"{name}: " in res.stdout
+    assert "window=128" in res.stdout and "window=1024" in res.stdout
+    for f in FAULTS.values():
+        assert f"{f.name}: " in res.stdout and f.invariant in res.stdout
 
 
 def test_unknown_command_is_a_usage_error():
-    res = subprocess.run([*_script(), "no-such-command"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2
-    assert "invalid choice" in res.stderr
-    assert "Traceback" not in res.stderr
+    _one_line_error(_run("no-such-command"), "invalid choice")
 
 
-def test_demo_runs_clean_then_shows_the_injected_faults():
-    res = subprocess.run([*_script(), "demo"], capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def taken_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text('{"arrival": 0, "prompt_len": 10, "output_len": 5}\n{"arrival": 1, "prompt_len": -3}\n')
+    not_rec = tmp_path / "notes.txt"
+    not_rec.write_text("hello\n")
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    cases = [
+        (("demo", "--preset", "nope"), ["unknown preset 'nope'"]),
+        (("demo", "--inject", "nope"), ["unknown fault 'nope'"]),
+        (("demo", "--steps", "10", "--inject", "leak@10"), ["step 10 is outside the run"]),
+        (("demo", "--inject", "leak@x"), ["must be an integer"]),
+        (("demo", "--preset", "dense", "--inject", "swa-misaligned"), ["needs an SWA preset"]),
+        (("demo", "--preset", "dense", "--page-size", "1", "--inject", "alloc-len-misaligned"), ["page size > 1"]),
+        (("demo", "--page-size", "7"), ["page size 7"]),
+        (("demo", "--preset", "pd-decode", "--page-size", "1"), ["page size 1 is not supported"]),
+        (("demo", "--steps", "0"), ["--steps must be >= 1"]),
+        (("demo", "--trace", str(tmp_path / "missing.jsonl")), ["missing.jsonl", "No such file"]),
+        (("demo", "--trace", str(bad_trace)), [f"{bad_trace}:2", "missing output_len"]),
+        (("demo", "--steps", "5", "--metrics-port", str(taken_port)), [f"port {taken_port}", "already in use"]),
+        (("check", str(tmp_path / "nope.sqlite")), ["nope.sqlite", "no such file"]),
+        (("check", str(not_rec)), ["notes.txt", "not a flight recording"]),
+        (("check", str(empty)), ["empty.sqlite", "not a flight recording"]),
+        (("replay", str(not_rec), "--step", "1"), ["not a flight recording"]),
+    ]
+    for args, needles in cases:
+        _one_line_error(_run(*args), *needles)
+
+
+def test_a_clean_run_checks_clean_and_replays(tmp_path):
+    rec = tmp_path / "clean.sqlite"
+    res = _run("demo", "--preset", "swa-128", "--steps", "600", "--record", rec)
     assert res.returncode == 0, res.stderr
-    out = res.stdout
-    assert "violations so far: 0; check_consistency: 0 findings" in out
-    assert "swa_evicted_seqlen_page_aligned" in out and "rid d" in out
-    assert "double_free" in out
+    assert f"recording: {rec}" in res.stdout
+    assert "finished after 600 steps" in res.stdout and "violations: none" in res.stdout
+    chk = _run("check", rec)
+    assert chk.returncode == 0, chk.stderr
+    assert chk.stdout.startswith(f"clean: no violations in {rec}")
+    rp = _run("replay", rec, "--step", "300", "--requests", "3")
+    assert rp.returncode == 0, rp.stderr
+    assert f"{rec} at step 300 (preset swa-128, page size 16, window 128)" in rp.stdout
+    assert "\nfull " in rp.stdout and "\nswa " in rp.stdout and "kv_allocated_len" in rp.stdout
+    # The replayed figures are the recorded state's: compare the pool line with the recording read directly.
+    state = Recording(rec).state_at(300)
+    used = int((state.owners["full"] >= 0).sum())
+    full_line = next(line for line in rp.stdout.splitlines() if line.startswith("full "))
+    assert full_line.split()[3] == str(used)
+    _one_line_error(_run("replay", rec, "--step", "100000"), "outside the recording (steps 0..")
 
 
-def test_scripted_scenario_figures():
-    lines = run(page_size=16, window=64)
-    # a: 53 tokens -> 4 pages, b: 32 tokens -> 2 pages, in both pools.
-    assert "full: 6 used / 58 free, swa: 6 used / 42 free; live requests 2" in lines[2]
-    # a: 53 + 32 + 19 = 104 tokens, window 64: 40 tokens out of the window, floored to a page -> 32.
-    assert "SWA eviction: a evicted 32, b evicted 0" in "\n".join(lines)
-    faults = [line for line in lines if line.startswith("  ") and "step" in line]
-    assert [f.split()[1] for f in faults] == ["swa_evicted_seqlen_page_aligned", "double_free"]
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_injected_fault_is_reported_by_check_with_its_invariant(tmp_path, fault):
+    rec = tmp_path / f"{fault}.sqlite"
+    res = _run("demo", "--preset", "swa-128", "--steps", "700", "--inject", f"{fault}@300", "--record", rec)
+    assert res.returncode == 0, res.stderr
+    inv = FAULTS[fault].invariant
+    assert f"injected {fault} at step " in res.stdout and f"(expects {inv})" in res.stdout
+    fired = int(res.stdout.split(f"injected {fault} at step ")[1].split(":")[0])
+    assert fired >= 300
+    chk = _run("check", rec)
+    assert chk.returncode == 1, chk.stdout + chk.stderr
+    rows = chk.stdout.splitlines()
+    assert rows[1].split()[:3] == ["invariant", "count", "first"]
+    first = rows[2].split()
+    # The table is ordered by first step: the injected mistake heads it, at the step it fired.
+    assert first[0] == inv
+    assert int(first[2]) == fired
+    assert next(v.invariant for v in Recording(rec).violations()) == inv
 
 
-def test_demo_raise_mode_stops_at_each_fault():
-    lines = run(mode="raise")
-    raised = [line for line in lines if line.startswith("  raised:")]
-    assert len(raised) == 2
-    assert "[swa_evicted_seqlen_page_aligned]" in raised[0] and "[double_free]" in raised[1]
+def test_raise_mode_stops_with_the_violation_and_records_it(tmp_path):
+    rec = tmp_path / "raise.sqlite"
+    res = _run("demo", "--preset", "swa-128", "--steps", "800", "--mode", "raise", "--inject",
+               "swa-misaligned@200", "--record", rec)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert "violation at step" in res.stderr and "swa_evicted_seqlen_page_aligned" in res.stderr
+    assert "stopped by a violation (mode raise)" in res.stdout
+    vs = Recording(rec).violations()
+    assert [v.invariant for v in vs] == ["swa_evicted_seqlen_page_aligned"]
+    assert vs[0].step >= 200
+
+
+def _events(path):
+    out = []
+    for e in Recording(path).events():
+        d = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("ts", "duration")}
+        if "violation" in d:
+            d["violation"] = dataclasses.replace(d["violation"], ts=0.0)
+        out.append((type(e).__name__, {k: v.tolist() if hasattr(v, "tolist") else v for k, v in d.items()}))
+    return out
+
+
+def test_same_seed_gives_the_same_recording(tmp_path, capsys):
+    paths = []
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        p = tmp_path / f"{name}.sqlite"
+        assert cli.main(["demo", "--preset", "pd-decode", "--steps", "300", "--seed", str(seed),
+                         "--inject", "leak@100", "--record", str(p)]) == 0
+        paths.append(p)
+    capsys.readouterr()
+    a, b, c = (_events(p) for p in paths)
+    assert len(a) > 500
+    assert a == b
+    assert a != c
+
+
+def test_a_trace_drives_the_demo(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival": i * 2, "prompt_len": 100 + i, "output_len": 20}) + "\n"
+                             for i in range(20)))
+    res = _run("demo", "--steps", "200", "--trace", trace)
+    assert res.returncode == 0, res.stderr
+    assert "20 requests arrived, 20 admitted, 20 finished" in res.stdout
+
+
+def _start(*args):
+    return subprocess.Popen([*_script(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_line(proc, prefix, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.strip()
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no {prefix!r} line; stderr: {proc.stderr.read()}")
+
+
+def test_ctrl_c_stops_cleanly_and_closes_the_recording(tmp_path):
+    rec = tmp_path / "live.sqlite"
+    proc = _start("demo", "--preset", "dense", "--record", rec, "--metrics-port", "0")
+    try:
+        url = _wait_line(proc, "metrics: ").split(" ", 1)[1]
+        _wait_line(proc, "recording: ")
+        # Unbounded and paced: metrics are served while it runs.
+        deadline = time.monotonic() + 30
+        while True:
+            body = urllib.request.urlopen(url, timeout=10).read().decode()
+            if 'kvalloc_pages{engine="demo",pool="full",state="used"}' in body and "kvalloc_requests_live" in body:
+                break
+            assert time.monotonic() < deadline, body[:2000]
+            time.sleep(0.5)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "stopped (Ctrl-C) after" in out
+    meta = Recording(rec).meta
+    assert meta["preset"] == "dense" and "end_time" in meta
+    assert _run("check", rec).returncode == 0

@@ -363,3 +363,12 @@ def test_seed_scenario_unaligned_swa_tail_is_caught_before_store():
     with pytest.raises(InvariantViolation, match="swa_evicted_seqlen_page_aligned"):
         alloc_for_decode_prealloc(raising, rid="bad", fill_len=100, swa_tail_len=32)
     assert raising.ledger["bad"].swa_evicted_seqlen == 0
+
+
+def test_unaligned_segment_names_the_request_owning_its_first_page():
+    d = Driver(ours_paged, "record", "immediate")
+    a, _ = _two_requests(d)
+    with pytest.raises(ValueError, match="start_pos"):  # the allocator itself refuses it after the record
+        d.w.free_segment(t(a.row[2:]), start_pos=2)
+    (v,) = d.w.violations
+    assert (v.invariant, v.rid, v.op) == ("segment_start_unaligned", a.rid, "free_segment")

@@ -1,0 +1,118 @@
+"""A minimal OTLP/HTTP traces receiver for tests and the soak: a real HTTP server on 127.0.0.1 that decodes every
+``ExportTraceServiceRequest`` it is sent (what an OpenTelemetry Collector's OTLP/HTTP receiver does first)."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+def _value(any_value):
+    return getattr(any_value, any_value.WhichOneof("value"))
+
+
+class Receiver:
+    """A minimal OTLP/HTTP traces endpoint on 127.0.0.1: decodes every POST /v1/traces and keeps its spans."""
+
+    def __init__(self, delay: float = 0.0, *, keep: bool = True):
+        self.delay = delay
+        self.keep = keep  # False: count spans only (a soak must not grow the receiver's memory)
+        self.n_spans = 0
+        self.spans: list = []  # (resource attributes, span proto)
+        self.encodings: list = []
+        self.hits = 0
+        self.first_hit: float | None = None
+        self.lock = threading.RLock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                try:
+                    body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    with receiver.lock:
+                        receiver.hits += 1
+                        if receiver.first_hit is None:
+                            receiver.first_hit = time.monotonic()
+                    if receiver.delay:
+                        time.sleep(receiver.delay)
+                    if self.path != "/v1/traces":
+                        self.send_response(404)
+                        self.end_headers()
+                        return
+                    encoding = self.headers.get("Content-Encoding", "")
+                    if encoding == "gzip":
+                        body = gzip.decompress(body)
+                    req = ExportTraceServiceRequest()
+                    req.ParseFromString(body)
+                    got = []
+                    for rs in req.resource_spans:
+                        res = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+                        got += [(res, span) for ss in rs.scope_spans for span in ss.spans]
+                    with receiver.lock:
+                        receiver.n_spans += len(got)
+                        if receiver.keep:
+                            receiver.encodings.append(encoding)
+                            receiver.spans += got
+                    payload = ExportTraceServiceResponse().SerializeToString()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/x-protobuf")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the exporter gave up waiting (the slow case)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if predicate(self):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def request_spans(self) -> dict:
+        with self.lock:
+            out = {}
+            for _, s in self.spans:
+                if s.name == "kv.request":
+                    attrs = {kv.key: _value(kv.value) for kv in s.attributes}
+                    out[attrs["kv.request.id"]] = (s, attrs)
+            return out
+
+    @property
+    def endpoint(self) -> str:
+        return self.base + "/v1/traces"
+
+    def span_count(self) -> int:
+        with self.lock:
+            return self.n_spans
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
