@@ -1,5 +1,7 @@
-"""A small seeded engine that writes flight recordings for the dashboard's tests (until the demo engine's
-``instrumented-alloc demo --record`` is used instead).
+"""A small seeded engine that writes flight recordings with pools of any size: the recorder-query tests use
+it for exact, hand-checkable runs, and ``benchmarks/bench_dashboard.py --engine scenario`` for pools of a
+million pages (the demo engine's presets hold a few thousand). The dashboard's AppTest, browser and live tests
+use the demo engine itself (``tests/dashboard/conftest.py``).
 
 It drives an instrumented SWA allocator (continuous batching: prefill, decode, SWA eviction, finish) with a
 ``FlightRecorder`` attached and injects the engine bugs the dashboard must show, at given steps:

@@ -1,7 +1,7 @@
-"""The Streamlit app through Streamlit's AppTest (the real script, run headless in-process) on recordings with
-injected faults: violation ids, steps and request ids on the page; the step slider and the jump-to-violation
-picker change the page map; a request's lifeline shows the ledger values the recording holds; bad input is a
-message on the page, never a traceback."""
+"""The Streamlit app through Streamlit's AppTest (the real script, run headless in-process) on demo-engine
+recordings with injected faults: violation ids, steps and request ids on the page; the step slider and the
+jump-to-violation picker change the page map; a request's lifeline shows the ledger values the recording
+holds; bad input is a message on the page, never a traceback."""
 
 from __future__ import annotations
 
@@ -60,83 +60,89 @@ def legend_counts(at) -> dict:
     return out
 
 
+def recorded(recordings, name="faults.sqlite"):
+    with Recording(recordings.dir / name) as r:
+        return r.violations(), r.violation_counts(), r.steps()
+
+
 def test_incident_review_opens_at_the_first_violation(app, recordings):
-    (_, s1, rid1), (_, s2, rid2) = recordings.faults
-    assert (s1, rid1, s2, rid2) == (30, "req-8", 70, "req-19")
+    (_, s1, rid1, inv1), (_, s2, rid2, inv2) = recordings.faults
+    assert (inv1, inv2) == ("swa_evicted_seqlen_page_aligned", "double_free")
+    vs, counts, _ = recorded(recordings)
+    assert (vs[0].invariant, vs[0].step, vs[0].rid) == (inv1, s1, rid1)  # the seed's bug is the first violation
     at = app("faults.sqlite")
-    assert at.slider(key="step").value == 30
-    assert "**Violations at step 30: 1**" in [m.value for m in at.markdown]
-    i = [m.value for m in at.markdown].index("**Violations at step 30: 1**")
-    assert at.markdown[i + 1].value.startswith(
-        ":red[**swa_evicted_seqlen_page_aligned**] · request **req-8** · ledger: swa\\_evicted\\_seqlen=1 is not a "
-        "non-negative multiple of page\\_size=4"
+    assert at.slider(key="step").value == s1
+    n_here = sum(1 for v in vs if v.step == s1)
+    lines = [m.value for m in at.markdown]
+    i = lines.index(f"**Violations at step {s1}: {n_here}**")
+    assert lines[i + 1].startswith(
+        f":red[**swa_evicted_seqlen_page_aligned**] · request **{rid1}** · ledger: swa\\_evicted\\_seqlen="
     )
-    with Recording(recordings.dir / "faults.sqlite") as r:
-        recorded = r.violations()
-        counts = r.violation_counts()
-    # The full list is exactly what the recording holds, in order; the injected faults are in it.
+    assert "is not a non-negative multiple of page\\_size=16" in lines[i + 1]
+    # The full list is exactly what the recording holds, in order; both injected faults are in it.
     every = table(at, 2)
     assert [(x["step"], x["invariant"], x["request"]) for x in every] == [
-        (v.step, v.invariant, "" if v.rid is None else v.rid) for v in recorded
+        (v.step, v.invariant, "" if v.rid is None else str(v.rid)) for v in vs
     ]
-    assert (70, "double_free", "req-19") in [(x["step"], x["invariant"], x["request"]) for x in every]
+    assert (s2, "double_free", rid2) in [(x["step"], x["invariant"], x["request"]) for x in every]
     assert {x["invariant"]: x["violations"] for x in table(at, 1)} == counts
     jump = at.selectbox(key="jump")
-    assert jump.options[0] == "#1 step 30 · swa_evicted_seqlen_page_aligned · req-8"
-    assert "#2 step 70 · double_free · req-19" in jump.options
+    assert jump.options[0] == f"#1 step {s1} · swa_evicted_seqlen_page_aligned · {rid1}"
+    k = next(i for i, v in enumerate(vs) if v.invariant == "double_free")
+    assert jump.options[k] == f"#{k + 1} step {s2} · double_free · {rid2}"
 
 
 def test_the_step_slider_changes_the_page_map(app, recordings):
+    vs, _, _ = recorded(recordings)
+    quiet = vs[0].step - 20  # a step before any violation
     at = app("faults.sqlite")
     before = legend_counts(at)
     urls_before = [im.proto.imgs[0].url for im in at.image]
-    at.slider(key="step").set_value(12).run()
+    at.slider(key="step").set_value(quiet).run()
     assert not at.exception
     after = legend_counts(at)
     assert [im.proto.imgs[0].url for im in at.image] != urls_before
     assert after != before
-    # The page map of step 12 is the state at the end of step 12: the same as the replayed boundary 13.
+    # The page map of a step is the state at the end of that step: the same as the replayed next boundary.
     with Recording(recordings.dir / "faults.sqlite") as r:
-        state = r.state_at(13)
-        violations = r.violations()
+        state = r.state_at(quiet + 1)
     for pool in ("full", "swa"):
-        pm = page_map(state.owners[pool], violation_slots=set())
-        # No violation up to step 12: nothing is marked, the counts are the plain page states.
-        assert after[pool]["used"] == pm.counts["used"]
-        assert (
-            after[pool]["free"] + after[pool].get("SWA-evicted (released by an SWA eviction)", 0) == pm.counts["free"]
-        )
+        pm = page_map(state.owners[pool])
+        # No violation yet: nothing is marked, the counts are the plain page states.
+        assert after[pool]["used"] == pm.counts["used"] > 0
+        assert after[pool]["free"] + after[pool]["SWA-evicted (released by an SWA eviction)"] == pm.counts["free"]
         assert after[pool]["in a violation (owned by a request a violation names)"] == 0
-    assert not [v for v in violations if v.step <= 12]
-    # At step 30 the violating request's pages are marked.
+    # At the first violation the violating request's pages are marked.
     assert before["full"]["in a violation (owned by a request a violation names)"] > 0
 
 
-def test_jump_to_a_violation_moves_the_slider(app):
+def test_jump_to_a_violation_moves_the_slider(app, recordings):
+    _, (_, s2, rid2, _) = recordings.faults
     at = app("faults.sqlite")
-    at.selectbox(key="jump").set_value("#2 step 70 · double_free · req-19").run()
+    label = next(o for o in at.selectbox(key="jump").options if "double_free" in o)
+    at.selectbox(key="jump").set_value(label).run()
     assert not at.exception
-    assert at.slider(key="step").value == 70
-    lines = [m.value for m in at.markdown]
-    assert ":red[**double_free**] · request **req-19** · free_full (full): free\\_full frees" in "\n".join(lines)
+    assert at.slider(key="step").value == s2
+    lines = "\n".join(m.value for m in at.markdown)
+    assert f":red[**double_free**] · request **{rid2}** · free_full (full): free\\_full frees" in lines
 
 
 def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
+    (_, s1, rid1, _), _ = recordings.faults
+    vs, _, _ = recorded(recordings)
+    bad = next(v for v in vs if v.rid == rid1 and v.op == "ledger")
     at = app("faults.sqlite")
-    at.selectbox(key="request").set_value("req-8").run()
+    at.selectbox(key="request").set_value(rid1).run()
     assert not at.exception
     rows = table(at, len(at.dataframe) - 1)
     marked = [r for r in rows if r["mark"]]
-    assert [(r["step"], r["event"], r["mark"]) for r in marked] == [
-        (30, "REJECTED write: swa_evicted_seqlen_page_aligned", "◀ violating write")
+    assert [(r["step"], r["event"], r["mark"], r["detail"]) for r in marked] == [
+        (s1, "REJECTED write: swa_evicted_seqlen_page_aligned", "◀ violating write", bad.message)
     ]
-    assert "swa_evicted_seqlen=1 is not a non-negative multiple of page_size=4" in marked[0]["detail"]
-    assert rows[-1]["event"] == "released"
     text = " ".join(m.value for m in at.markdown)
-    assert "Request **req-8**" in text and "none recorded (no trace was active)" in text
-    # Every row's ledger values at the end of its step equal the replayed ledger of the recording at that step.
+    assert f"Request **{rid1}**" in text and "none recorded (no trace was active)" in text
     # A row holds the values at the end of its step when the next row starts in a later step (a collapsed decode
-    # row "alloc_decode x N (steps a-b)": at the end of step b).
+    # row "alloc_decode x N (steps a-b)": at the end of step b). Each equals the replayed ledger of that step.
     last_per_step = {}
     for row, nxt in zip(rows, [*rows[1:], None]):
         run = re.search(r"\(steps \d+-(\d+)\)", row["event"])
@@ -146,37 +152,38 @@ def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
     with Recording(recordings.dir / "faults.sqlite") as r:
         checked = 0
         for step, row in last_per_step.items():
-            led = data.state_end_of(r, step).ledger.get("req-8")
+            led = data.state_end_of(r, step).ledger.get(rid1)
             if led is None:  # released in that step
                 continue
             assert (row["kv_allocated_len"], row["kv_committed_len"], row["swa_evicted_seqlen"]) == tuple(led), step
             checked += 1
     assert checked >= 3
     evicted = [r["swa_evicted_seqlen"] for r in rows if r["kv_allocated_len"] > 0]  # free_full zeroes the row
-    assert evicted == sorted(evicted) and evicted[-1] > 0 and all(x % 4 == 0 for x in evicted)
+    assert evicted == sorted(evicted) and evicted[-1] > 0 and all(x % 16 == 0 for x in evicted)
 
 
 def test_live_view_shows_counts_and_newest_violations_first(app, recordings):
+    vs, _, (_, last) = recorded(recordings)
     at = app("faults.sqlite")
     at.radio(key="view").set_value("Live").run()
     assert not at.exception
-    with Recording(recordings.dir / "faults.sqlite") as r:
-        n = len(r.violations())
-        last = r.steps()[1]
-        newest = r.violations()[-1]
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["violations"] == str(n) and metrics["step"] == str(last) and metrics["recording"] == "finished"
+    assert metrics["violations"] == str(len(vs)) and metrics["step"] == str(last)
+    assert metrics["recording"] == "finished"
     vrows = next(t.value.to_dict("records") for t in at.dataframe if "invariant" in t.value.columns)
-    assert (vrows[0]["step"], vrows[0]["invariant"]) == (newest.step, newest.invariant)
-    assert [x["step"] for x in vrows] == sorted((x["step"] for x in vrows), reverse=True)
+    shown = [v for v in vs if v.step >= last - 500]
+    assert [(x["step"], x["invariant"]) for x in vrows] == [(v.step, v.invariant) for v in reversed(shown)]
     assert len(at.image) == 2  # the page maps of both pools
 
 
-def test_clean_recording_has_no_violation(app):
+def test_clean_recording_has_no_violation(app, recordings):
+    vs, _, (_, last) = recorded(recordings, "clean.sqlite")
+    assert vs == []
     at = app("clean.sqlite")
-    assert "**Violations at step 40: 0**" in [m.value for m in at.markdown]
+    assert f"**Violations at step {last}: 0**" in [m.value for m in at.markdown]
     assert not [s for s in at.selectbox if s.key == "jump"]
     assert not at.error
+    assert len(at.image) == 1  # a dense model: one pool
 
 
 @pytest.mark.parametrize(
@@ -205,10 +212,9 @@ def test_recording_cut_off_by_a_crash_is_shown_up_to_its_last_transaction(app, r
     assert not at.error
     caption = " ".join(c.value for c in at.caption)
     assert "not closed (still being written, or cut off by a crash)" in caption
-    _, fault, step, rid = recordings.crashed_fault
-    assert (fault, step) == ("leak", "5")
+    leak = recordings.crashed_leak
     every = table(at, 2)
-    assert ("request_leak", rid) in [(x["invariant"], x["request"]) for x in every]
+    assert (leak.step, "request_leak", str(leak.rid)) in [(x["step"], x["invariant"], x["request"]) for x in every]
 
 
 def test_a_recording_without_events_says_so(app):

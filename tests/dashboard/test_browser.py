@@ -3,8 +3,8 @@ opened in headless Chromium through Playwright.
 
 - Incident review of a recording with injected faults: the violation id is on the page, the page map is drawn
   (an image with pixels), and the screenshot is kept under ``test-artifacts/`` (git-ignored).
-- Live: while a process writes a recording with faults injected as it goes, the page's violation count grows,
-  with no reload of the page (a marker set in the page's window survives).
+- Live: while a demo process writes a recording (a double free injected early: violations keep coming), the
+  page's violation count grows, with no reload of the page (a marker set in the page's window survives).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from dashboard.pagemap import layout
+from exporters.recorder import Recording
 from tests.ci import missing
-from tests.dashboard.conftest import read_line, scenario_process
+from tests.dashboard.conftest import demo_process, violations_in, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
@@ -99,12 +101,16 @@ class Dashboard:
 
 
 def test_incident_review_in_chromium(browser, recordings):
+    (_, s1, rid1, inv1), _ = recordings.faults
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        n_here = len(r.violations(s1, s1 + 1))
+        pools = r.meta["pools"]
     dash = Dashboard(recordings.dir / "faults.sqlite")
     try:
         # Streamlit scrolls inside its own container: a tall window is what puts the whole page in the screenshot.
         page = browser.new_page(viewport={"width": 1500, "height": 2600})
         page.goto(dash.url)
-        page.wait_for_selector("text=Violations at step 30: 1", timeout=60_000)
+        page.wait_for_selector(f"text=Violations at step {s1}: {n_here}", timeout=60_000)
         page.wait_for_selector('[data-testid="stImage"] img', timeout=30_000)
         page.wait_for_function(
             "() => [...document.querySelectorAll('[data-testid=\"stImage\"] img')]"
@@ -112,12 +118,17 @@ def test_incident_review_in_chromium(browser, recordings):
             timeout=30_000,
         )
         body = page.inner_text("body")
-        assert "swa_evicted_seqlen_page_aligned" in body and "req-8" in body
+        assert inv1 in body and f"request {rid1}" in body
         assert "Traceback" not in body
         sizes = page.eval_on_selector_all(
             '[data-testid="stImage"] img', "els => els.map(i => [i.naturalWidth, i.naturalHeight])"
         )
-        assert sizes == [[768, 72], [768, 72]]  # 65 pages (page 0 too), 32 per row, 24 px cells: 3 rows
+        # One cell per page (page 0 too): full 2,049 and swa 769 entries, 64 cells per row of 12 px.
+        expected = []
+        for p in pools:
+            _, cells, columns, scale = layout(p["num_pages"] + 1)
+            expected.append([columns * scale, -(-cells // columns) * scale])
+        assert sizes == expected == [[768, 396], [768, 156]]
         page.wait_for_selector('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg',
                                timeout=30_000)  # fmt: skip
         time.sleep(1.0)  # let the charts finish drawing before the picture
@@ -135,11 +146,11 @@ def test_incident_review_in_chromium(browser, recordings):
 
 def test_live_view_follows_a_recording_being_written(browser, tmp_path):
     path = tmp_path / "live.sqlite"
-    faults = [f"swa-misaligned@{s}" for s in range(10, 2000, 10)]  # rejected writes: the pools never run out
-    writer = scenario_process(path, "--steps", "2000", "--pace", "25", *[a for f in faults for a in ("--inject", f)])
+    # A paced demo that runs until killed; the double free corrupts the pool, and violations keep coming.
+    writer = demo_process(path, "--preset", "swa-128", "--pace", "20", "--seed", "4", "--inject", "double-free@20")
     dash = None
     try:
-        read_line(writer, "recording")
+        wait_for(lambda: violations_in(path) != [], 120, "the demo's first violation")
         dash = Dashboard(path, "--refresh", "2")
         page = browser.new_page(viewport={"width": 1500, "height": 2200})
         page.goto(dash.url)
@@ -161,4 +172,4 @@ def test_live_view_follows_a_recording_being_written(browser, tmp_path):
         if dash is not None:
             dash.stop()
         writer.kill()
-        writer.wait(10)
+        writer.communicate(timeout=10)
