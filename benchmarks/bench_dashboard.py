@@ -1,11 +1,12 @@
 """``python -m benchmarks.bench_dashboard``: how long the dashboard's incident view takes on a large recording.
 
-Writes (once; reused with ``--keep PATH``) a recording of about ``--events`` events from the dashboard tests'
-seeded engine (SWA pools of ``--pages`` pages, faults injected at a few steps), then runs the real app script
-headless (Streamlit's AppTest: the whole script, every query, replay, page map and PNG encoding, no browser
-paint) at several steps: the first violation, the middle, the last step, and steps chosen at random, and
-prints the time of each full render, then the live view's. Also prints the parts (state at the step, page
-maps, lifeline) measured on their own. A measurement, not a test: nothing is asserted.
+Writes (once; reused with ``--keep PATH``) a recording of about ``--events`` events -- by the demo engine
+(``--engine demo``, the default: ``instrumented-alloc demo --preset swa-128`` with the seed's bug and a leak
+injected) or by the tests' scripted engine with SWA pools of ``--pages`` pages (``--engine scenario``) -- then
+runs the real app script headless (Streamlit's AppTest: the whole script, every query, replay, page map and
+PNG encoding, no browser paint) at several steps: the first violation, the middle, the last step, and steps
+chosen at random, and prints the time of each full render, then the live view's. Also prints the parts (state
+at the step, page maps, lifeline) measured on their own. A measurement, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,13 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(path: Path, events: int, pages: int) -> None:
+def build_scenario(path: Path, events: int, pages: int) -> None:
+    """The tests' scripted engine: SWA pools of ``pages`` pages each (a million: the page map's downsampling)."""
     from exporters.recorder import Recording
     from tests.dashboard.scenario import Scenario
 
-    faults = [("swa-misaligned", 50), ("leak", 3000), ("double-free", 10**9)]
+    faults = [("swa-misaligned", 50), ("leak", 3000)]
     sc = Scenario(path, pages=pages, window=12, snapshot_every=100, faults=faults, seed=11)
-    t0 = time.perf_counter()
     try:
         with Recording(path) as r:
             while True:
@@ -39,13 +41,41 @@ def build(path: Path, events: int, pages: int) -> None:
             sc.run(5)
     finally:
         sc.close()
-    print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def build_demo(path: Path, events: int, preset: str) -> None:
+    """The demo engine (``instrumented-alloc demo``) for as many steps as make about ``events`` events (events
+    per step measured on a 2,000-step run of the same preset and seed first)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    from exporters.recorder import Recording
+
+    def run(p: Path, steps: int) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "instrumented_alloc.cli", "demo", "--preset", preset, "--steps", str(steps),
+             "--seed", "11", "--inject", "swa-misaligned@50", "--inject", "leak@3000", "--record", str(p),
+             "--overwrite"],
+            check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    probe = path.with_suffix(".probe.sqlite")
+    run(probe, 2000)
+    with Recording(probe) as r:
+        per_step = r.event_count() / r.steps()[1]
+    probe.unlink()
+    run(path, int(events / per_step * 1.02) + 1)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_dashboard")
     p.add_argument("--events", type=int, default=1_000_000)
-    p.add_argument("--pages", type=int, default=65536, help="pages per pool (default 65536)")
+    p.add_argument(
+        "--engine",
+        choices=("demo", "scenario"),
+        default="demo",
+        help="demo: instrumented-alloc demo (default); scenario: the tests' engine, pools of --pages",
+    )
+    p.add_argument("--preset", default="swa-128", help="demo preset (default swa-128)")
+    p.add_argument("--pages", type=int, default=1 << 20, help="scenario: pages per pool (default 1,048,576)")
     p.add_argument("--keep", type=Path, default=None, help="recording path to reuse (written when missing)")
     p.add_argument("--samples", type=int, default=5, help="random steps measured (default 5)")
     a = p.parse_args(argv)
@@ -62,7 +92,12 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         path = Path(tmp.name) / "large.sqlite"
     if not path.exists():
-        build(path, a.events, a.pages)
+        t0 = time.perf_counter()
+        if a.engine == "demo":
+            build_demo(path, a.events, a.preset)
+        else:
+            build_scenario(path, a.events, a.pages)
+        print(f"wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
     with Recording(path) as r:
         first, last = r.steps()
         n_events = r.event_count()
