@@ -4,15 +4,19 @@ refused, usage errors without a traceback."""
 from __future__ import annotations
 
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
 from dashboard.data import DashboardInputError, RecordingDir
-from dashboard.launch import APP, ROOT, command
+from dashboard.launch import APP, ROOT, Server, command
 from instrumented_alloc.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,3 +84,36 @@ def test_cli_refuses_a_recording_outside_dir_without_a_traceback(tmp_path):
     )  # fmt: skip
     assert res.returncode == 2
     assert "not inside the dashboard's directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(tmp_path):
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instrumented_alloc.cli", "demo", "--preset", "swa-128", "--pace", "50",
+         "--record", str(tmp_path / "live.sqlite"), "--dashboard", "--dashboard-port", str(port)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.match(r"dashboard: (http://127\.0\.0\.1:\d+/)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url == f"http://127.0.0.1:{port}/"
+        probe = Server(proc, port)  # only its health check: the demo owns the app's process
+        assert probe.wait_ready(90)
+        with urllib.request.urlopen(url + "_stcore/health", timeout=5) as r:
+            assert r.read().strip() == b"ok"
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the demo stops cleanly, and its dashboard with it
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still refuses
+        s.bind(("127.0.0.1", port))
+        s.listen()  # the app is gone: nobody listens on its port any more
