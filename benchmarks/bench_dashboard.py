@@ -50,9 +50,10 @@ def build_demo(path: Path, events: int, preset: str) -> None:
     from exporters.recorder import Recording
 
     def run(p: Path, steps: int) -> None:
+        # The seed's bug early, a leak half-way: the incident view has violations to jump to.
         subprocess.run(
             [sys.executable, "-m", "instrumented_alloc.cli", "demo", "--preset", preset, "--steps", str(steps),
-             "--seed", "11", "--inject", "swa-misaligned@50", "--inject", "leak@3000", "--record", str(p),
+             "--seed", "11", "--inject", "swa-misaligned@50", "--inject", f"leak@{steps // 2}", "--record", str(p),
              "--overwrite"],
             check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
         )  # fmt: skip
