@@ -66,15 +66,11 @@ class SoakResult:
             ("violations", str(sum(self.violations.values())) + (f" {self.violations}" if self.violations else "")),
             ("final sweep findings", str(self.sweep_findings)),
             ("every page back at the end", "yes" if self.pages_back else "NO"),
-            (
-                "RSS after warm-up / at the end",
-                f"{self.rss_warm / 2**20:.1f} MiB / {self.rss_end / 2**20:.1f} MiB ({self.rss_growth:+.1%})",
-            ),
-            (
-                "recording size: max seen / end / retention bound",
-                f"{self.recording_bytes_max / 2**20:.1f} / {self.recording_bytes_end / 2**20:.1f} / "
-                f"{self.max_bytes / 2**20:.1f} MiB",
-            ),
+            ("RSS after warm-up / at the end", f"{self.rss_warm / 2**20:.1f} MiB / {self.rss_end / 2**20:.1f} MiB "
+                                               f"({self.rss_growth:+.1%})"),
+            ("recording size: max seen / end / retention bound",
+             f"{self.recording_bytes_max / 2**20:.1f} / {self.recording_bytes_end / 2**20:.1f} / "
+             f"{self.max_bytes / 2**20:.1f} MiB"),
             ("events dropped", str(self.events_dropped)),
             ("Prometheus scrapes (errors)", f"{self.scrapes} ({self.scrape_errors})"),
             ("spans received over OTLP", f"{self.spans_received:,}"),
@@ -149,9 +145,8 @@ def soak(
         th.join(timeout=30)
         rec.close()
         otel.shutdown()
-        dropped = (
-            {name: int(v) for name, v in eng.alloc.bus.dropped.items()} if hasattr(eng.alloc.bus, "dropped") else {}
-        )
+        dropped = {name: int(v) for name, v in eng.alloc.bus.dropped.items()} if hasattr(eng.alloc.bus, "dropped") \
+            else {}
         prom.close()
     seconds = time.perf_counter() - t0
     full, swa = eng.free_pages()
@@ -192,32 +187,15 @@ def main(argv=None) -> int:
 
     def progress(i, eng):
         if i % 50_000 == 0:
-            print(
-                f"  step {i:,} ({time.perf_counter() - t0:.0f} s): rss {rss_bytes() / 2**20:.1f} MiB, "
-                f"violations {eng.violation_count()}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"  step {i:,} ({time.perf_counter() - t0:.0f} s): rss {rss_bytes() / 2**20:.1f} MiB, "
+                  f"violations {eng.violation_count()}", file=sys.stderr, flush=True)
 
     with Receiver() as receiver, tempfile.TemporaryDirectory(prefix="kvalloc-soak-") as tmp:
-        res = soak(
-            args.steps,
-            workdir=Path(tmp),
-            otlp_endpoint=receiver.endpoint,
-            spans_received=receiver.span_count,
-            preset=args.preset,
-            seed=args.seed,
-            max_bytes=args.max_bytes,
-            progress=progress,
-        )
+        res = soak(args.steps, workdir=Path(tmp), otlp_endpoint=receiver.endpoint, spans_received=receiver.span_count,
+                   preset=args.preset, seed=args.seed, max_bytes=args.max_bytes, progress=progress)
     print(res.table())
-    ok = (
-        not res.violations
-        and res.sweep_findings == 0
-        and res.pages_back
-        and res.rss_growth < 0.05
-        and res.recording_bytes_max <= res.max_bytes * 1.1
-    )
+    ok = (not res.violations and res.sweep_findings == 0 and res.pages_back and res.rss_growth < 0.05
+          and res.recording_bytes_max <= res.max_bytes * 1.1)
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
 
