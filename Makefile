@@ -27,9 +27,11 @@ demo: $(STAMP)
 	@mkdir -p $(dir $(DEMO_RECORDING))
 	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite --dashboard
 
-# The Streamlit app on 127.0.0.1:8501; RECORDING=path selects a recording (its directory is the one served).
-RECORDING ?=
+# The Streamlit app alone on 127.0.0.1:8501, on the demo's recording (RECORDING=path for another; its directory
+# is the one served).
+RECORDING ?= $(DEMO_RECORDING)
 dashboard: $(STAMP)
+	@mkdir -p $(dir $(RECORDING))
 	$(BIN)/instrumented-alloc dashboard $(RECORDING)
 
 lint: $(STAMP)
