@@ -30,6 +30,14 @@ ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+READ_STEP = """() => {
+  for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+    const label = m.querySelector('[data-testid="stMetricLabel"]');
+    if (label && label.innerText.trim() === 'step')
+      return parseInt(m.querySelector('[data-testid="stMetricValue"]').innerText.replace(/,/g, ''));
+  }
+  return -1;
+}"""
 VIOLATIONS_METRIC = '[data-testid="stMetric"]:has-text("violations") [data-testid="stMetricValue"]'
 # The same value read in the page (CSS has no :has-text): the metric whose label is "violations".
 READ_VIOLATIONS = """() => {
@@ -165,6 +173,17 @@ def test_live_view_follows_a_recording_being_written(browser, tmp_path):
         assert later >= first + 2
         assert page.evaluate("() => window.__not_reloaded") == "yes"
         assert "being written" in page.inner_text("body")
+        # For the picture: stop the writer, then wait for a refresh that has drawn the whole page from one state
+        # (during a refresh the parts not yet redrawn still show the previous one).
+        writer.kill()
+        writer.communicate(timeout=10)
+        settled = (
+            f"() => {{ const s = ({READ_STEP})(); return s >= 0 && "
+            "document.body.innerText.includes('Now (step ' + s + ')') && "
+            "!document.querySelector('[data-testid=\"stStatusWidget\"]'); }"
+        )
+        page.wait_for_function(settled, timeout=60_000)
+        time.sleep(1.0)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
         page.close()
