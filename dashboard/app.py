@@ -97,7 +97,8 @@ def _live(rec) -> None:
     c[0].metric("step", ov.last)
     c[1].metric("events", f"{ov.events:,}")
     c[2].metric("violations", ov.violations)
-    c[3].metric("recording", "finished" if ov.finished else "being written")
+    # A file without an end is being written or was cut off by a crash: the file alone cannot tell which.
+    c[3].metric("recording", "finished" if ov.finished else "open", help="open: being written, or cut off by a crash")
     st.markdown(f"**{ov.violations} violations** so far")
     series = rec.step_series(max_points=500)
     st.subheader("Pages in use per pool")

@@ -212,6 +212,9 @@ def test_recording_cut_off_by_a_crash_is_shown_up_to_its_last_transaction(app, r
     assert not at.error
     caption = " ".join(c.value for c in at.caption)
     assert "not closed (still being written, or cut off by a crash)" in caption
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception and not at.error
+    assert {m.label: m.value for m in at.metric}["recording"] == "open"
     leak = recordings.crashed_leak
     every = table(at, 2)
     assert (leak.step, "request_leak", str(leak.rid)) in [(x["step"], x["invariant"], x["request"]) for x in every]

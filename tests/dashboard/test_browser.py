@@ -172,7 +172,7 @@ def test_live_view_follows_a_recording_being_written(browser, tmp_path):
         later = int(page.inner_text(VIOLATIONS_METRIC))
         assert later >= first + 2
         assert page.evaluate("() => window.__not_reloaded") == "yes"
-        assert "being written" in page.inner_text("body")
+        assert "open" in page.inner_text('[data-testid="stMetric"]:has-text("recording")')
         # For the picture: stop the writer, then wait for a refresh that has drawn the whole page from one state
         # (during a refresh the parts not yet redrawn still show the previous one).
         writer.kill()
