@@ -63,6 +63,10 @@ def _page_maps(rec, ov: data.Overview, state, violations, step: int) -> None:
         st.markdown(f"**Page map: pool `{name}`** ({p['num_pages']:,} pages of {p['page_size']} tokens, step {step})")
         st.image(pm.image, caption=pm.rule, output_format="PNG")  # lossless: one colour per state
         _legend(pm)
+        if pm.violation_runs:
+            where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in pm.violation_runs)
+            more = " ..." if len(pm.violation_runs) == 10 else ""
+            st.caption(f"Pages in a violation in pool `{name}`: {where}{more}")
     if evicted is not None:
         st.caption(
             f"SWA-evicted: pages an SWA eviction released in steps {max(0, step - lookback)}..{step} that are "

@@ -51,7 +51,8 @@ class PageMap:
     """A rendered page map. ``image``: (height, width, 3) uint8; ``cells``: (rows, columns) state index per cell
     (``len(STATES)`` for background); ``counts``: pages per state (every page counted once, page 0 included);
     ``pages_per_cell``; ``columns``; ``scale``: pixels per cell side; ``rule``: the layout and downsampling rule in
-    words; ``legend``: (key, label, "#rrggbb", pages) in legend order."""
+    words; ``legend``: (key, label, "#rrggbb", pages) in legend order; ``violation_runs``: the first runs of
+    pages in a violation, as (first, last) page ids."""
 
     image: np.ndarray
     cells: np.ndarray
@@ -61,6 +62,16 @@ class PageMap:
     scale: int
     rule: str
     legend: tuple
+    violation_runs: tuple = ()
+
+
+def runs_of(mask: np.ndarray, limit: int = 10) -> tuple:
+    """The first ``limit`` maximal runs of True in ``mask`` as (first, last) indices: where the marked pages are,
+    in words (one red page among a million is a single pixel)."""
+    padded = np.zeros(mask.size + 2, bool)
+    padded[1:-1] = mask
+    edges = np.flatnonzero(padded[1:] != padded[:-1])[: 2 * limit]
+    return tuple((int(a), int(b) - 1) for a, b in zip(edges[::2], edges[1::2]))
 
 
 def classify(owner: np.ndarray, *, violation_slots=(), swa_evicted=None) -> np.ndarray:
@@ -131,4 +142,5 @@ def page_map(owner: np.ndarray, *, violation_slots=(), swa_evicted=None, max_cel
         scale=scale,
         rule=rule,
         legend=legend,
+        violation_runs=runs_of(states == _I["violation"]) if counts[_I["violation"]] else (),
     )

@@ -112,8 +112,16 @@ def test_the_step_slider_changes_the_page_map(app, recordings):
         assert after[pool]["used"] == pm.counts["used"] > 0
         assert after[pool]["free"] + after[pool]["SWA-evicted (released by an SWA eviction)"] == pm.counts["free"]
         assert after[pool]["in a violation (owned by a request a violation names)"] == 0
-    # At the first violation the violating request's pages are marked.
+    # At the first violation the violating request's pages are marked, and where they are is said in page ids.
     assert before["full"]["in a violation (owned by a request a violation names)"] > 0
+    assert not [c for c in at.caption if c.value.startswith("Pages in a violation")]
+    at.slider(key="step").set_value(vs[0].step).run()
+    where = [c.value for c in at.caption if c.value.startswith("Pages in a violation in pool `full`: ")]
+    assert len(where) == 1
+    runs = re.findall(r"(\d+)(?:-(\d+))?", where[0].split(": ", 1)[1])
+    if not where[0].endswith("..."):  # all runs listed: they add up to the legend's count
+        n = sum(int(b or a) - int(a) + 1 for a, b in runs)
+        assert n == before["full"]["in a violation (owned by a request a violation names)"]
 
 
 def test_jump_to_a_violation_moves_the_slider(app, recordings):

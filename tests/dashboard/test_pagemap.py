@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dashboard.pagemap import BACKGROUND, COLORS, MAX_CELLS, STATES, classify, layout, page_map
+from dashboard.pagemap import BACKGROUND, COLORS, MAX_CELLS, STATES, classify, layout, page_map, runs_of
 from instrumented_alloc.replay import initial_owner
 from instrumented_alloc.shadow import FREE, HELD_IDS, HELD_SET, PRISTINE, RESERVED, STAGED, USED_UNOWNED
 
@@ -46,6 +46,8 @@ def test_small_pool_one_cell_per_page_with_exact_pixels():
         assert tuple(pm.image[10, col * 24 + 10]) == COLORS[state]
     assert tuple(pm.image[23, 10]) == BACKGROUND
     assert pm.rule == "1 cell = 1 page; page ids run left to right, 10 per row, page 0 at the top left"
+    assert pm.violation_runs == ((2, 3),)
+    assert page_map(owner).violation_runs == ()
     assert [(k, n) for k, _, _, n in pm.legend] == [(k, pm.counts[k]) for k in STATES]
     assert dict((k, c) for k, _, c, _ in pm.legend)["violation"] == "#dc2626"
 
@@ -76,6 +78,7 @@ def test_a_million_pages_are_downsampled_and_no_violation_is_averaged_away():
     assert pm.counts == {"free": n // 2 - 1, "used": n // 2 - 1, "staged": 1, "swa_evicted": 0, "reserved": 1,
                          "violation": 1}  # fmt: skip
     assert pm.image.shape == (410, 512, 3)
+    assert pm.violation_runs == ((900_001, 900_001),)  # where the single red pixel is, in page ids
     assert pm.rule.startswith("1 cell = 5 consecutive pages (cell i = pages 5*i ... 5*i+4), 512 cells per row")
     assert pm.rule.endswith("violation > reserved > swa_evicted > staged > used > free")
 
@@ -92,3 +95,10 @@ def test_layout(n, expected):
 def test_layout_rejects_no_cells():
     with pytest.raises(ValueError, match="max_cells"):
         layout(10, 0)
+
+
+def test_runs_of():
+    mask = np.array([0, 1, 1, 0, 1, 0, 0, 1], bool)
+    assert runs_of(mask) == ((1, 2), (4, 4), (7, 7))
+    assert runs_of(mask, limit=2) == ((1, 2), (4, 4))
+    assert runs_of(np.zeros(5, bool)) == ()
