@@ -79,7 +79,8 @@ def _figures(state, ov: data.Overview) -> None:
     c1, c2 = st.columns(2)
     c1.metric("requests live", f["requests_live"])
     c2.metric("SWA tokens outside the window", f["swa_outside_window_tokens"])
-    st.dataframe(f["pools"], hide_index=True)
+    # One column per pool, one row per figure: fits the narrow column beside the page maps.
+    st.dataframe(pd.DataFrame(f["pools"]).set_index("pool").T.astype(str))
 
 
 # -- live ----------------------------------------------------------------------------------------------------------
