@@ -80,7 +80,7 @@ def _figures(state, ov: data.Overview) -> None:
     c1.metric("requests live", f["requests_live"])
     c2.metric("SWA tokens outside the window", f["swa_outside_window_tokens"])
     # One column per pool, one row per figure: fits the narrow column beside the page maps.
-    st.dataframe(pd.DataFrame(f["pools"]).set_index("pool").T.astype(str))
+    st.dataframe(pd.DataFrame(f["pools"]).set_index("pool").astype(object).T.astype(str))  # ints stay ints
 
 
 # -- live ----------------------------------------------------------------------------------------------------------
