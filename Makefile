@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo dashboard test lint bench soak clean
+.PHONY: setup demo dashboard test lint bench soak grafana clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench: $(STAMP)
 SOAK_ARGS ?=
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
+
+# Rewrites grafana/dashboards/kvalloc.json from grafana/generate.py (tests/grafana fails while it is stale).
+grafana: $(STAMP)
+	$(BIN)/python -m grafana.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -124,3 +124,27 @@ def check_batch(
 
 def check_start_pos(value) -> int:
     return check_int("start_pos", value)
+
+
+def check_segments(name: str, segments, device: torch.device) -> list:
+    """A sequence of ``(free_index, start_pos)`` pairs (``free_segments``), each a 1-D int tensor on ``device`` and
+    an int >= 0. Checked in full before anything is freed; returns the pairs as a list (a generator is consumed).
+    Errors name ``name`` and say which segment and which part is wrong."""
+    if isinstance(segments, (torch.Tensor, str, bytes)) or not hasattr(segments, "__iter__"):
+        raise ArgumentTypeError(
+            name, f"expected a sequence of (free_index, start_pos) pairs, got {type(segments).__name__}"
+        )
+    out = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, torch.Tensor) or not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise ArgumentTypeError(
+                name, f"segment {i}: expected a (free_index, start_pos) pair, got {type(seg).__name__}"
+            )
+        free_index, start_pos = seg
+        try:
+            check_index_tensor("free_index", free_index, device)
+            start_pos = check_start_pos(start_pos)
+        except ArgumentError as exc:
+            raise type(exc)(name, f"segment {i}: {exc}") from None
+        out.append((free_index, start_pos))
+    return out

@@ -38,16 +38,20 @@ from instrumented_alloc import events as ev
 from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, page_disjoint
 from instrumented_alloc.argcheck import (
     ArgumentError,
+    ArgumentTypeError,
     ArgumentValueError,
     check_batch,
     check_index_tensor,
     check_int,
+    check_segments,
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
 from instrumented_alloc.shadow import LedgerSnapshot, PoolShadow, PoolSnapshot
 
 MODES = ("raise", "record", "off")
+# "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
+_ABSENT = object()
 VERIFY = ("auto", "immediate", "deferred")
 
 # Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
@@ -352,11 +356,19 @@ class InstrumentedAllocator:
         if self._w_off:
             yield self  # nothing is attributed (or remembered) when off
             return
-        rids = tuple(rids)
-        if len(set(rids)) != len(rids):
+        try:
+            rids = tuple(rids)
+            distinct = len(set(rids))
+        except TypeError:
+            raise ArgumentTypeError("rids", f"expected a sequence of hashable request ids, got {rids!r:.80}") from None
+        if distinct != len(rids):
             raise ArgumentValueError("rids", "a request id appears twice in one batch")
-        if lens is not None and len(lens) != len(rids):
-            raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
+        if lens is not None:
+            if isinstance(lens, (str, bytes, torch.Tensor)) or not hasattr(lens, "__len__"):
+                raise ArgumentTypeError("lens", f"expected a sequence of ints, got {type(lens).__name__}")
+            if len(lens) != len(rids):
+                raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
+            lens = [check_int("lens", x) for x in lens]
         with self._w_lock:
             if self._w_bound is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
@@ -372,7 +384,16 @@ class InstrumentedAllocator:
         if self._w_off:
             return
         with self._w_lock:
-            if rid not in self.ledger:
+            try:
+                known = rid in self.ledger
+            except TypeError:
+                known = None
+            if known is None:
+                self._invalid(
+                    "release_request",
+                    ArgumentTypeError("rid", f"expected a hashable request id, got {type(rid).__name__}"),
+                )
+            if not known:
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"))
             self._w_st.op = "release"
             self._slot_tier(lambda: self._do_release(rid))
@@ -587,11 +608,11 @@ class InstrumentedAllocator:
         args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         return self._extend("alloc_extend_swa_tail", inner.alloc_extend_swa_tail, args, {}, tail=swa_tail_len)
 
-    def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=None):
+    def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=_ABSENT):
         with self._w_lock:
             self._w_st.op = op
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
-            trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor
+            trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
             if trusted:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
@@ -606,7 +627,7 @@ class InstrumentedAllocator:
                     last_loc=last_loc,
                     extend_num_tokens=n,
                 )
-            if tail is not None and not trusted:
+            if tail is not _ABSENT and not trusted:
                 tail = self._validate(op, check_int, "swa_tail_len", tail)
                 if bs != 1:
                     self._invalid(
@@ -618,7 +639,7 @@ class InstrumentedAllocator:
             before = self._entries_before()
             t0 = self._w_clock()
             try:
-                out = call(*args, tail, **kwargs) if tail is not None else call(*args, **kwargs)
+                out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
             except ArgumentError as exc:
                 self._invalid(op, exc)
             dt = self._w_clock() - t0
@@ -656,7 +677,7 @@ class InstrumentedAllocator:
                 self._emit_ledger(op, slots, self._w_bound[0])
             swa_grow = None
             if swa and swa_pool is not None:
-                if tail is None:
+                if tail is _ABSENT:
                     swa_grow, swa_pos, swa_new, swa_own, swa_n_new = grow, pos, new_mask, own, n_new
                     peer = self._swa_peer(out)
                 elif tail > 0:
@@ -693,7 +714,7 @@ class InstrumentedAllocator:
         with self._w_lock:
             op = "alloc_decode"
             self._w_st.op = op
-            if self._w_inner_checks and type(seq_lens) is torch.Tensor:
+            if self._w_inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
                 bs = self._validate(
@@ -775,13 +796,13 @@ class InstrumentedAllocator:
 
     # -- free ops ---------------------------------------------------------------------------------------------
     def free(self, free_index):
-        return self._free_call("free", free_index, None, self._free_parts)
+        return self._free_call("free", free_index, _ABSENT, self._free_parts)
 
     def free_full(self, free_index):
-        return self._free_call("free_full", free_index, None, self._free_full_parts)
+        return self._free_call("free_full", free_index, _ABSENT, self._free_full_parts)
 
     def free_page_ids(self, page_ids):
-        return self._free_call("free_page_ids", page_ids, None, self._page_ids_parts, arg="page_ids")
+        return self._free_call("free_page_ids", page_ids, _ABSENT, self._page_ids_parts, arg="page_ids")
 
     def free_segment(self, free_index, *, start_pos):
         return self._free_call("free_segment", free_index, start_pos, self._segment_parts)
@@ -790,7 +811,7 @@ class InstrumentedAllocator:
         return self._free_call("free_full_segment", free_index, start_pos, self._full_segment_parts)
 
     def free_swa(self, free_index):
-        return self._free_call("free_swa", free_index, None, self._swa_parts)
+        return self._free_call("free_swa", free_index, _ABSENT, self._swa_parts)
 
     def free_swa_segment(self, free_index, *, start_pos):
         return self._free_call("free_swa_segment", free_index, start_pos, self._swa_segment_parts)
@@ -800,10 +821,10 @@ class InstrumentedAllocator:
         ``parts_of(index, op)`` lists what the op frees per pool; None when this allocator has nothing to check
         for it (an SWA op on a single pool)."""
         method = getattr(self._w_inner, op)
-        forward = (lambda: method(index)) if start_pos is None else (lambda: method(index, start_pos=start_pos))
+        forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
         with self._w_lock:
             self._w_st.op = op
-            if start_pos is None:
+            if start_pos is _ABSENT:
                 self._validate(op, check_index_tensor, arg, index, self._w_device)
             else:
                 self._segment_args(op, index, start_pos)
@@ -843,13 +864,19 @@ class InstrumentedAllocator:
 
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's
-        own loop would call its own ``free_segment`` and bypass the checks)."""
-        for free_index, start_pos in page_disjoint(segments, self._w_ps):
+        own loop would call its own ``free_segment`` and bypass the checks). Malformed segments are rejected
+        before any is freed."""
+        for free_index, start_pos in page_disjoint(self._checked_segments("free_segments", segments), self._w_ps):
             self.free_segment(free_index, start_pos=start_pos)
 
     def free_full_segments(self, segments):
-        for free_index, start_pos in page_disjoint(segments, self._w_ps):
+        for free_index, start_pos in page_disjoint(self._checked_segments("free_full_segments", segments), self._w_ps):
             self.free_full_segment(free_index, start_pos=start_pos)
+
+    def _checked_segments(self, op: str, segments) -> list:
+        with self._w_lock:
+            self._w_st.op = op
+            return self._validate(op, check_segments, "segments", segments, self._w_device)
 
     def resize(self, config):
         """Forwarded, then every pool's shadow is rebuilt for the new size (the inner clears itself)."""
@@ -914,23 +941,27 @@ class InstrumentedAllocator:
             return (full, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
         return (full, lambda idx: (idx, False, None), (free_index,))
 
+    def _peers_at(self, full_slots):
+        """SWA peers of freed full slots. Slot values outside the mapping (a free_unallocated fault the full
+        part reports) read as no live peer (0 or the -1 sentinel) instead of failing the lookup. No sync."""
+        mapping = self._w_inner.full_to_swa_index_mapping
+        return mapping[full_slots.to(torch.int64).clamp(0, mapping.shape[0] - 1)]
+
     def _swa_set_part(self, free_index) -> list:
         swa = self._w_swa
         ps = self._w_ps
-        mapping = self._w_inner.full_to_swa_index_mapping
         idx = free_index.to(torch.int64)
         if ps == 1:
-            peers = mapping[idx]
+            peers = self._peers_at(idx)
             return [(swa, lambda p: self._peers_mapped(p, "free_swa"), (peers,))]
         expanded = (idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)
-        peers = mapping[expanded.reshape(-1)]
+        peers = self._peers_at(expanded.reshape(-1))
         return [(swa, lambda p: (p[p > 0] // ps, True, None), (peers,))]
 
     def _swa_segment_part(self, free_index, op):
         swa = self._w_swa
         ps = self._w_ps
-        mapping = self._w_inner.full_to_swa_index_mapping
-        peers = mapping[free_index[::ps].to(torch.int64)]
+        peers = self._peers_at(free_index[::ps])
         return (swa, lambda p: self._peers_mapped(p, op), (peers,))
 
     def _peers_mapped(self, peers: np.ndarray, op: str):
@@ -949,8 +980,7 @@ class InstrumentedAllocator:
         return peers // ps, False, None
 
     def _peer_released_check(self, free_index, op):
-        mapping = self._w_inner.full_to_swa_index_mapping
-        peers = mapping[free_index.to(torch.int64)]
+        peers = self._peers_at(free_index)
         full = self._w_full.shadow
         ps = self._w_ps
 
@@ -1244,6 +1274,8 @@ class InstrumentedAllocator:
         )
 
     def _group_begin(self) -> None:
+        if getattr(self._w_inner, "logical_attn_allocator", None) is not None:
+            return  # HiSparse: free groups are no-ops (frees happen at once), so nothing is held
         for p in self._w_pools.values():
             p.shadow.group_begin()
 

@@ -7,3 +7,6 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") == "true" else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# The real-Prometheus fixture, shared by tests/exporters and tests/grafana.
+from tests.prometheus_server import prometheus_server  # noqa: E402, F401

@@ -18,6 +18,7 @@ from instrumented_alloc.argcheck import (
     check_batch,
     check_index_tensor,
     check_int,
+    check_segments,
     check_start_pos,
     same_device,
 )
@@ -363,3 +364,36 @@ def test_check_batch_extend_num_tokens_accepts_numpy_int():
 
 def test_check_batch_zero_length_extends_are_fine():
     assert check_batch(CPU, **extend_batch([4, 0, 7], [4, 0, 7], extend_num_tokens=0)) == 3
+
+
+# -- check_segments ----------------------------------------------------------------------------------------------
+
+
+def test_check_segments_returns_the_pairs_as_a_list_and_consumes_a_generator():
+    a, b = t([4, 5, 6, 7]), t([8])
+    assert check_segments("segments", [(a, 0), (b, np.int64(4))], CPU) == [(a, 0), (b, 4)]
+    gen = ((x, i * 4) for i, x in enumerate([a, b]))
+    out = check_segments("segments", gen, CPU)
+    assert [s for _, s in out] == [0, 4] and out[0][0] is a
+    assert check_segments("segments", [], CPU) == []
+
+
+@pytest.mark.parametrize(
+    "segments, exc_type, detail",
+    [
+        (None, TypeError, "expected a sequence of (free_index, start_pos) pairs, got NoneType"),
+        (t([1, 2]), TypeError, "expected a sequence of (free_index, start_pos) pairs, got Tensor"),
+        ([t([1, 2])], TypeError, "segment 0: expected a (free_index, start_pos) pair, got Tensor"),
+        ([(t([1]), 0, 0)], TypeError, "segment 0: expected a (free_index, start_pos) pair, got tuple"),
+        ([(t([1]), 0), ([2], 4)], TypeError, "segment 1: free_index: expected a torch.Tensor, got list"),
+        ([(t([1]), None)], TypeError, "segment 0: start_pos: expected an int, got NoneType"),
+        ([(t([1]), -4)], ValueError, "segment 0: start_pos: must be >= 0, got -4"),
+        ([(t([[1]]), 0)], ValueError, "segment 0: free_index: expected a 1-D tensor, got shape (1, 1)"),
+        ([(t([1], device=META), 0)], ValueError, "segment 0: free_index: expected a tensor on cpu, got one on meta"),
+    ],
+)
+def test_check_segments_names_segments_and_the_part(segments, exc_type, detail):
+    with pytest.raises(exc_type) as info:
+        check_segments("segments", segments, CPU)
+    assert_names(info, "segments")
+    assert str(info.value) == f"segments: {detail}"

@@ -21,6 +21,7 @@ from instrumented_alloc.argcheck import (
     ArgumentValueError,
     check_index_tensor,
     check_int,
+    check_segments,
     check_start_pos,
 )
 
@@ -97,12 +98,15 @@ class BaseTokenToKVPoolAllocator:
 
     def free_segments(self, segments) -> None:
         """Free several ``(free_index, start_pos)`` segments of one request's row, in order. Consecutive
-        segments must not share a page (each page is released once); empty segments are skipped."""
+        segments must not share a page (each page is released once); empty segments are skipped. Malformed
+        segments raise before anything is freed."""
+        segments = check_segments("segments", segments, self.device)
         for free_index, start_pos in page_disjoint(segments, self.page_size):
             self.free_segment(free_index, start_pos=start_pos)
 
     def free_full_segments(self, segments) -> None:
         """``free_segments`` for the full side alone (see ``free_full``)."""
+        segments = check_segments("segments", segments, self.device)
         for free_index, start_pos in page_disjoint(segments, self.page_size):
             self.free_full_segment(free_index, start_pos=start_pos)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,8 +27,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from exporters.prometheus import PrometheusExporter
 from instrumented_alloc import INVARIANTS, InstrumentedAllocator, stats
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
-from tests.ci import missing
 from tests.engine_model import Req, extend_args, split_extend, t
+from tests.prometheus_server import api, need_binary, query, wait_until_up
 
 REPO = Path(__file__).resolve().parents[2]
 PS = 4
@@ -37,19 +36,6 @@ FULL_PAGES, SWA_PAGES = 16, 8
 CAPACITY = {"full": FULL_PAGES + 1, "swa": SWA_PAGES + 1}  # page 0 (reserved) included
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CONST = {"engine": "e0", "tp_rank": "0"}
-
-
-def need_binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        missing(f"{name} is not installed (Debian: apt-get install prometheus)")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_alloc(**kw):
@@ -208,75 +194,11 @@ def test_promtool_check_metrics(run):
 
 
 # -- 3. a real Prometheus ----------------------------------------------------------------------------------------
-@pytest.fixture
-def prometheus_server(tmp_path):
-    """Start ``prometheus`` scraping 127.0.0.1:<target> every second; returns its API base URL."""
-    binary = need_binary("prometheus")
-    procs = []
-
-    def start(target_port: int) -> str:
-        port = free_port()
-        cfg = tmp_path / "prometheus.yml"
-        cfg.write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: kvalloc\n"
-            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
-        )
-        log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 (closed by the finalizer)
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={cfg}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--enable-feature=exemplar-storage",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append((proc, log))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for proc, log in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def api(base: str, path: str, **params):
-    url = f"{base}{path}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-def query(base: str, promql: str) -> list:
-    return api(base, "/api/v1/query", query=promql)["result"]
-
-
 def test_real_prometheus_scrapes_served_port(run, prometheus_server, tmp_path):
     _, exp = run()
     port = exp.serve()
     base = prometheus_server(port)
-    deadline = time.monotonic() + 30
-    result = []
-    while time.monotonic() < deadline:
-        try:
-            result = query(base, "kvalloc_pages")
-        except OSError:  # not listening yet
-            result = []
-        if result:
-            break
-        time.sleep(0.25)
-    if not result:
-        log = (tmp_path / "prometheus.log").read_text(errors="replace")[-3000:]
-        pytest.fail(f"Prometheus never scraped kvalloc_pages within 30 s; its log:\n{log}")
+    wait_until_up(base, "kvalloc_pages", tmp_path)
 
     full = query(base, 'sum(kvalloc_pages{pool="full"})')
     assert float(full[0]["value"][1]) == CAPACITY["full"]
@@ -322,6 +244,7 @@ import torch
 from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 from tests.engine_model import Req, extend_args, split_extend, t
+from tests.prometheus_server import api, need_binary, query, wait_until_up
 from exporters.prometheus import PrometheusExporter
 
 rank = int(sys.argv[1])

@@ -1,0 +1,1 @@
+"""Grafana dashboard generator, provisioning, Prometheus config and alert rules (see README)."""

@@ -1,0 +1,492 @@
+"""Generates the Grafana dashboard (``grafana/dashboards/kvalloc.json``) from code, with grafana-foundation-sdk.
+
+Contract
+- ``python -m grafana.generate`` (``make grafana``) rewrites the committed JSON; ``--check`` writes nothing and
+  exits 1 with a unified diff when the committed file differs from what this code generates (a test runs it).
+- ``build()`` returns the SDK's ``Dashboard`` model; ``render()`` its JSON text, byte for byte what is committed
+  (deterministic: no timestamps, explicit panel ids).
+- Targets Grafana 11.6 (the SDK is pinned to its 11.6 epoch in pyproject.toml). Every query reads only metrics of
+  DESIGN.md's catalog and filters on the template variables ``engine`` and ``instance``; ``datasource`` selects
+  the Prometheus data source. Every panel has a description that says what a bad value means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import bargauge, common, heatmap, stat, timeseries
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+HERE = Path(__file__).resolve().parent
+DASHBOARD_PATH = HERE / "dashboards" / "kvalloc.json"
+UID = "kvalloc-allocator"
+GRAFANA_VERSION = "11.6"
+
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+# Every query's label filter: the engine and instance template variables. Both default to All (regex .*), which
+# also matches series that carry no engine label (a single-engine deployment without const labels).
+SEL = 'engine=~"$engine", instance=~"$instance"'
+
+
+def sel(extra: str = "") -> str:
+    return "{" + SEL + (", " + extra if extra else "") + "}"
+
+
+USED = sel('state="used"')
+
+
+def q(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, heatmap_fmt: bool = False, exemplar=False):
+    t = prom.Dataquery().expr(expr).ref_id(ref).datasource(DS)
+    if legend:
+        t = t.legend_format(legend)
+    t = t.instant() if instant else t.range()
+    if heatmap_fmt:
+        t = t.format(PromQueryFormat.HEATMAP)
+    if exemplar:
+        t = t.exemplar(True)
+    return t
+
+
+def ts(title: str, description: str, targets, *, unit: str = "short", w: int = 8, h: int = 8, stack=False, **kw):
+    p = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .targets(targets)
+        .unit(unit)
+        .span(w)
+        .height(h)
+        .legend(
+            common.VizLegendOptions()
+            .show_legend(True)
+            .display_mode(cm.LegendDisplayMode.LIST)
+            .placement(cm.LegendPlacement.BOTTOM)
+        )
+        .tooltip(common.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
+    )
+    # Always some custom field config: the SDK's model reads an absent "custom" back as {} (round trip).
+    p = p.line_width(1).fill_opacity(10)
+    if stack:
+        p = p.stacking(common.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(60)
+    if "min" in kw:
+        p = p.min(kw["min"])
+    if "max" in kw:
+        p = p.max(kw["max"])
+    return p
+
+
+def thresholds(*steps: tuple[float | None, str]):
+    return (
+        dash.ThresholdsConfig()
+        .mode(dm.ThresholdsMode.ABSOLUTE)
+        .steps([dm.Threshold(value=v, color=c) for v, c in steps])
+    )
+
+
+def stat_panel(title: str, description: str, targets, *, unit="short", w=4, h=8, steps=((None, "green"),)):
+    return (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .targets(targets)
+        .unit(unit)
+        .span(w)
+        .height(h)
+        .thresholds(thresholds(*steps))
+        .color_mode(cm.BigValueColorMode.BACKGROUND)
+        .graph_mode(cm.BigValueGraphMode.AREA)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
+
+
+def rate(metric: str, extra: str = "", by: str = "") -> str:
+    inner = f"rate({metric}{sel(extra)}[$__rate_interval])"
+    return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
+
+
+def build() -> dm.Dashboard:
+    b = (
+        dash.Dashboard("KV-cache allocator (instrumented-alloc)")
+        .uid(UID)
+        .description(
+            "Page occupancy, fragmentation, sliding-window eviction, invariant violations and op latency of "
+            "KV-cache page allocators wrapped by instrumented-alloc (metric prefix kvalloc_)."
+        )
+        .tags(["kvalloc", "kv-cache", "llm-serving"])
+        .editable()
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .time("now-30m", "now")
+        .refresh("10s")
+        .timezone("browser")
+        .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            dash.QueryVariable("engine")
+            .label("Engine")
+            .description("The engine const label of the exporter (all engines by default)")
+            .datasource(DS)
+            .query("label_values(kvalloc_page_size_tokens, engine)")
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dm.VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+        .with_variable(
+            dash.QueryVariable("instance")
+            .label("Instance")
+            .description("The scraped /metrics endpoint (one per process or per multiprocess directory)")
+            .datasource(DS)
+            .query('label_values(kvalloc_page_size_tokens{engine=~"$engine"}, instance)')
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dm.VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+    )
+
+    # -- occupancy ------------------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Occupancy"))
+    b = b.with_panel(
+        ts(
+            "Pages by state, per pool",
+            "Pages of each pool by state (free, used, staged, reserved); the states of a pool add up to its "
+            "capacity. Bad: free pages near zero for long (requests get retracted or refused), or used pages that "
+            "stay up while live requests drop to zero (a leak; see the leak alert).",
+            [q(f"sum by (pool, state) (kvalloc_pages{sel()})", "{{pool}} {{state}}")],
+            w=10,
+            stack=True,
+        )
+    )
+    b = b.with_panel(
+        stat_panel(
+            "Used pages, per pool",
+            "Used pages / capacity of each pool, now. Bad: close to 100% (the next prefill waits or is retracted).",
+            [
+                q(
+                    f"sum by (pool) (kvalloc_pages{USED}) / sum by (pool) (kvalloc_pages{sel()})",
+                    "{{pool}}",
+                )
+            ],
+            unit="percentunit",
+            w=5,
+            steps=((None, "green"), (0.85, "orange"), (0.95, "red")),
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Live requests",
+            "Requests that hold KV. Bad: zero while pages stay used (a leak), or a climb with no matching drop "
+            "(requests never released).",
+            [q(f"sum(kvalloc_requests_live{sel()})", "live requests")],
+            w=5,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        stat_panel(
+            "Page size",
+            "Tokens per KV page (a configuration constant). Bad: a value other than the engine's configured page "
+            "size, or different values across the engines you selected.",
+            [q(f"max(kvalloc_page_size_tokens{sel()})", "tokens per page", instant=True)],
+            w=4,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Page churn",
+            "Pages handed out and released per second, per pool. Bad: allocated persistently above freed while "
+            "traffic is flat (pages are not coming back).",
+            [
+                q(rate("kvalloc_pages_allocated_total", by="pool"), "{{pool}} allocated"),
+                q(rate("kvalloc_pages_freed_total", by="pool"), "{{pool}} freed", "B"),
+            ],
+            unit="ops",
+            w=24,
+        )
+    )
+
+    # -- fragmentation --------------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Fragmentation"))
+    b = b.with_panel(
+        ts(
+            "Internal fragmentation",
+            "1 - committed tokens / allocated slots of live requests, per pool: slots paid for but not holding a "
+            "token yet (partly filled last pages, prealloc). Bad: high and rising (over-reservation; a larger page "
+            "size or prealloc than the traffic needs).",
+            [q(f"max by (pool) (kvalloc_internal_fragmentation_ratio{sel()})", "{{pool}}")],
+            unit="percentunit",
+            w=6,
+            min=0,
+            max=1,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "External fragmentation",
+            "1 - largest free run / free pages, per pool (0 when nothing is free). Bad: above 0.5 for long (the "
+            "free pages are scattered: contiguous allocations or kernels that prefer runs suffer; the "
+            "fragmentation alert fires after 15 minutes).",
+            [q(f"max by (pool) (kvalloc_external_fragmentation_ratio{sel()})", "{{pool}}")],
+            unit="percentunit",
+            w=6,
+            min=0,
+            max=1,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Free runs",
+            "Maximal runs of consecutive free pages, per pool. Bad: many runs while the largest run is short "
+            "(free space chopped into small pieces).",
+            [q(f"sum by (pool) (kvalloc_free_runs{sel()})", "{{pool}}")],
+            w=6,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Largest free run",
+            "The longest run of consecutive free pages, per pool. Bad: far below the free page count (see "
+            "external fragmentation), or below the pages one prefill chunk needs.",
+            [q(f"max by (pool) (kvalloc_largest_free_run_pages{sel()})", "{{pool}}")],
+            w=6,
+            min=0,
+        )
+    )
+
+    # -- SWA ------------------------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Sliding window (SWA)"))
+    b = b.with_panel(
+        ts(
+            "SWA evicted tokens",
+            "Tokens evicted from the SWA pool per second (they left the sliding window). Bad: zero while tokens "
+            "outside the window grow (eviction stalled: the SWA pool fills with KV no layer reads). Always zero "
+            "for dense models.",
+            [q(f"sum(rate(kvalloc_swa_evicted_tokens_total{sel()}[$__rate_interval]))", "evicted tokens/s")],
+            unit="short",
+            w=12,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Tokens outside the window",
+            "Tokens that still hold SWA KV though they are outside the sliding window (evictable). Bad: growing "
+            "without evictions (the SWA outside-window alert), or large compared with the SWA pool. Always zero "
+            "for dense models.",
+            [q(f"sum(kvalloc_swa_outside_window_tokens{sel()})", "outside-window tokens")],
+            w=12,
+            min=0,
+        )
+    )
+
+    # -- health ---------------------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Health"))
+    b = b.with_panel(
+        ts(
+            "Invariant violations by invariant",
+            "Violations per second by invariant id (DESIGN.md's catalog). Anything above zero is a bug in the "
+            "engine's use of the allocator (double free, misaligned length, leak, ...). The points are exemplars: "
+            "each carries the trace id of the request that broke the invariant and links to its trace.",
+            [
+                q(
+                    f"sum by (invariant) (rate(kvalloc_invariant_violations_total{sel()}[$__rate_interval]))",
+                    "{{invariant}}",
+                    exemplar=True,
+                )
+            ],
+            unit="ops",
+            w=12,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        stat_panel(
+            "Violations since start",
+            "Invariant violations counted by the selected processes since each started, all invariants (the "
+            "counter itself: unlike a rate, it also shows violations made before the first scrape). Bad: anything "
+            "but 0.",
+            [q(f"sum(kvalloc_invariant_violations_total{sel()})", "violations", instant=True)],
+            w=4,
+            steps=((None, "green"), (1, "red")),
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Allocation failures",
+            "Allocations refused for lack of pages, per second, by pool and op. Bad: sustained (the engine is out "
+            "of KV memory and retracting or queueing requests; the alloc failure alert fires after 10 minutes).",
+            [q(rate("kvalloc_alloc_failures_total", by="pool, op"), "{{pool}} {{op}}")],
+            unit="ops",
+            w=4,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            "Dropped events",
+            "Events an exporter sink (prometheus, otel, recorder) refused or failed on, per second. Bad: anything "
+            "above 0 (that sink's metrics, traces or recording are incomplete).",
+            [q(rate("kvalloc_events_dropped_total", by="sink"), "{{sink}}")],
+            unit="ops",
+            w=4,
+            min=0,
+        )
+    )
+
+    # -- latency --------------------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Latency"))
+    b = b.with_panel(
+        heatmap.Panel()
+        .title("Allocator op duration")
+        .description(
+            "Wall time of the inner allocator calls (all ops), as a heatmap of the histogram buckets. Bad: mass in "
+            "the millisecond buckets (a free that sorts a large list, a device sync in the hot path, GC pauses)."
+        )
+        .datasource(DS)
+        .targets(
+            [
+                q(
+                    f"sum by (le) (increase(kvalloc_op_duration_seconds_bucket{sel()}[$__rate_interval]))",
+                    "{{le}}",
+                    heatmap_fmt=True,
+                )
+            ]
+        )
+        .calculate(False)
+        .y_axis(heatmap.YAxisConfig().unit("s"))
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.LE))
+        .color(
+            heatmap.HeatmapColorOptions()
+            .mode("scheme")
+            .scheme("Oranges")
+            .exponent(0.5)
+            .fill("dark-orange")
+            .scale("exponential")
+            .steps(64)
+        )
+        .cell_values(heatmap.CellValues().unit("short"))
+        .span(12)
+        .height(9)
+    )
+    b = b.with_panel(
+        ts(
+            "Op duration p50 / p99",
+            "Median and 99th percentile wall time of each allocator op. Bad: a p99 far above the p50 (stalls) or "
+            "above about a millisecond for decode allocations (the allocator is on the decode step's critical "
+            "path).",
+            [
+                q(
+                    "histogram_quantile(0.5, sum by (le, op) "
+                    f"(rate(kvalloc_op_duration_seconds_bucket{sel()}[$__rate_interval])))",
+                    "{{op}} p50",
+                ),
+                q(
+                    "histogram_quantile(0.99, sum by (le, op) "
+                    f"(rate(kvalloc_op_duration_seconds_bucket{sel()}[$__rate_interval])))",
+                    "{{op}} p99",
+                    "B",
+                ),
+            ],
+            unit="s",
+            w=12,
+            h=9,
+        )
+    )
+
+    # -- request footprint ----------------------------------------------------------------------------------
+    b = b.with_row(dash.Row("Request footprint"))
+    b = b.with_panel(
+        bargauge.Panel()
+        .title("Pages per request")
+        .description(
+            "Peak pages held per request, observed when the request is released, counted per bucket over the "
+            "time range. Bad: a heavy tail in the top buckets (a few long requests hold most of the pool), or "
+            "requests that keep more pages than their length needs (compare with the page size)."
+        )
+        .datasource(DS)
+        .targets(
+            [
+                q(
+                    f"sum by (le) (increase(kvalloc_request_pages_bucket{sel()}[$__range]))",
+                    "{{le}}",
+                    instant=True,
+                    heatmap_fmt=True,
+                )
+            ]
+        )
+        .display_mode(cm.BarGaugeDisplayMode.GRADIENT)
+        .orientation(cm.VizOrientation.VERTICAL)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .unit("short")
+        .span(12)
+        .height(8)
+    )
+    b = b.with_panel(
+        ts(
+            "Pages per request p50 / p99",
+            "Median and 99th percentile of peak pages per released request. Bad: a p99 that approaches the pool "
+            "size (one request can starve the others).",
+            [
+                q(
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(kvalloc_request_pages_bucket{sel()}[$__rate_interval])))",
+                    "p50",
+                ),
+                q(
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(kvalloc_request_pages_bucket{sel()}[$__rate_interval])))",
+                    "p99",
+                    "B",
+                ),
+            ],
+            w=12,
+            min=0,
+        )
+    )
+    model = b.build()
+    # Explicit, stable panel ids (rows included): links and the committed JSON must not depend on build order.
+    for i, p in enumerate(model.panels or (), start=1):
+        p.id_val = i
+    return model
+
+
+def render() -> str:
+    return json.dumps(build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grafana.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff if the JSON is stale")
+    ap.add_argument("--out", type=Path, default=DASHBOARD_PATH, help=f"default: {DASHBOARD_PATH}")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        old = args.out.read_text() if args.out.exists() else ""
+        if old == text:
+            return 0
+        sys.stdout.writelines(
+            difflib.unified_diff(old.splitlines(True), text.splitlines(True), str(args.out), "generated")
+        )
+        print(f"{args.out} is stale: run `make grafana`", file=sys.stderr)
+        return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

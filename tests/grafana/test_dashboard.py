@@ -1,0 +1,95 @@
+"""The committed dashboard JSON: exactly what grafana/generate.py produces, a fixpoint of the SDK's dashboard
+model, and the structure the issue asks for (variables, rows, descriptions, variable filters, exemplars)."""
+
+from __future__ import annotations
+
+import json
+
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.cog.plugins import register_default_plugins
+from grafana_foundation_sdk.models import bargauge, heatmap, stat, timeseries
+from grafana_foundation_sdk.models import prometheus as prom_model
+from grafana_foundation_sdk.models.dashboard import Dashboard, RowPanel
+
+from grafana import generate
+from tests.grafana.dashboard_model import DASHBOARD, load_dashboard, panels, targets
+
+ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Request footprint"]
+
+
+def test_committed_json_is_what_the_generator_writes(tmp_path, capsys):
+    assert DASHBOARD.read_text() == generate.render()
+    assert generate.main(["--check"]) == 0
+    # --check catches a hand edit (and says how to fix it) without touching the file.
+    stale = tmp_path / "kvalloc.json"
+    stale.write_text(DASHBOARD.read_text().replace('"Fragmentation"', '"Fragmentation (edited)"'))
+    assert generate.main(["--check", "--out", str(stale)]) == 1
+    out, err = capsys.readouterr()
+    assert '-      "title": "Fragmentation (edited)",' in out and '+      "title": "Fragmentation",' in out
+    assert "make grafana" in err
+    assert "(edited)" in stale.read_text()
+    # Writing mode rewrites it.
+    assert generate.main(["--out", str(stale)]) == 0
+    assert stale.read_text() == DASHBOARD.read_text()
+
+
+def test_json_round_trips_through_the_sdk_model():
+    register_default_plugins()  # panel options and Prometheus queries decode into their typed models
+    raw = load_dashboard()
+    model = Dashboard.from_json(raw)
+    assert json.loads(json.dumps(model, cls=JSONEncoder)) == raw
+    # Decoded into the typed models, not passed through as dicts.
+    by_type = {
+        "timeseries": timeseries.Options,
+        "stat": stat.Options,
+        "heatmap": heatmap.Options,
+        "bargauge": bargauge.Options,
+    }
+    for p in model.panels:
+        if isinstance(p, RowPanel):
+            continue
+        assert isinstance(p.options, by_type[p.type_val]), p.title
+        assert all(isinstance(t, prom_model.Dataquery) for t in p.targets), p.title
+
+
+def test_variables_rows_and_panels():
+    d = load_dashboard()
+    assert d["uid"] == generate.UID
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert list(variables) == ["datasource", "engine", "instance"]
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("engine", "instance"):
+        v = variables[name]
+        assert v["type"] == "query" and v["includeAll"] and v["multi"] and v["allValue"] == ".*"
+        assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    assert variables["engine"]["query"] == "label_values(kvalloc_page_size_tokens, engine)"
+    assert variables["instance"]["query"] == 'label_values(kvalloc_page_size_tokens{engine=~"$engine"}, instance)'
+
+    assert [p["title"] for p in d["panels"] if p["type"] == "row"] == ROWS
+    ids = [p["id"] for p in d["panels"]]
+    assert ids == list(range(1, len(ids) + 1))
+    for p in panels(d):
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        # Every panel says what a bad value means.
+        assert "Bad:" in p["description"] or "Anything above zero" in p["description"], p["title"]
+        assert p["targets"], p["title"]
+    for p, t in targets(d):
+        assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert 'engine=~"$engine", instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+        assert len({x["refId"] for x in p["targets"]}) == len(p["targets"])
+
+
+def test_health_row_has_exemplars_and_the_latency_heatmap_reads_buckets():
+    d = load_dashboard()
+    by_title = {p["title"]: p for p in panels(d)}
+    violations = by_title["Invariant violations by invariant"]["targets"]
+    assert [(t["exemplar"], t["legendFormat"]) for t in violations] == [(True, "{{invariant}}")]
+    assert "kvalloc_invariant_violations_total" in violations[0]["expr"]
+    heat = by_title["Allocator op duration"]
+    assert heat["type"] == "heatmap" and heat["options"]["calculate"] is False
+    assert [(t["format"], "kvalloc_op_duration_seconds_bucket" in t["expr"]) for t in heat["targets"]] == [
+        ("heatmap", True)
+    ]
+    footprint = by_title["Pages per request"]
+    assert [t["format"] for t in footprint["targets"]] == ["heatmap"]
+    assert "kvalloc_request_pages_bucket" in footprint["targets"][0]["expr"]

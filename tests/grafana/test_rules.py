@@ -1,0 +1,86 @@
+"""The alert rules, the Prometheus config and the provisioning files, checked by promtool (run for real) and
+read back: every alert has a severity, a summary and a description, and a unit test that shows it firing on a bad
+series and silent on healthy ones."""
+
+from __future__ import annotations
+
+import subprocess
+
+import yaml
+
+from tests.grafana.dashboard_model import GRAFANA, RULE_TESTS, RULES, load_rules
+from tests.prometheus_server import need_binary
+
+ALERTS = [
+    "KvallocInvariantViolation",
+    "KvallocPageLeak",
+    "KvallocExternalFragmentationHigh",
+    "KvallocSwaOutsideWindowGrowing",
+    "KvallocAllocFailures",
+    "KvallocEventsDropped",
+]
+
+
+def promtool(*args: str) -> str:
+    res = subprocess.run([need_binary("promtool"), *args], capture_output=True, text=True, timeout=60, cwd=GRAFANA)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout + res.stderr
+
+
+def test_promtool_check_rules_is_clean():
+    out = promtool("check", "rules", *map(str, RULES))
+    assert f"SUCCESS: {len(ALERTS)} rules found" in out
+
+
+def test_promtool_unit_tests_pass():
+    assert [p.name for p in RULE_TESTS] == ["kvalloc_test.yml"]
+    out = promtool("test", "rules", *map(str, RULE_TESTS))
+    assert "SUCCESS" in out and "FAILED" not in out
+
+
+def test_prometheus_yml_is_valid_and_scrapes_the_demo_port():
+    out = promtool("check", "config", "prometheus.yml")
+    assert "SUCCESS: 1 rule files found" in out and f"SUCCESS: {len(ALERTS)} rules found" in out
+    cfg = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
+    assert cfg["rule_files"] == ["alerts/kvalloc.yml"]
+    [job] = cfg["scrape_configs"]
+    assert [sc["targets"] for sc in job["static_configs"]] == [["127.0.0.1:9464"]]
+
+
+def test_every_alert_has_severity_summary_description():
+    rules = load_rules()
+    assert [r["alert"] for r in rules] == ALERTS
+    for r in rules:
+        assert r["labels"]["severity"] in ("critical", "warning"), r["alert"]
+        assert set(r["annotations"]) == {"summary", "description"}, r["alert"]
+        assert "{{ $labels.instance }}" in r["annotations"]["summary"], r["alert"]
+    severities = {r["alert"]: r["labels"]["severity"] for r in rules}
+    assert severities["KvallocInvariantViolation"] == severities["KvallocPageLeak"] == "critical"
+
+
+def test_every_alert_is_unit_tested_firing_and_silent():
+    """promtool compares the complete list of firing alerts at each eval time, so an eval with alerts proves the
+    bad series fire (labels and annotations exact) and the healthy series of that test, which fire nothing; an
+    eval with ``exp_alerts: []`` proves silence (before ``for`` has elapsed, or after the bad input is over)."""
+    fired, silent = set(), set()
+    for path in RULE_TESTS:
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            for case in test["alert_rule_test"]:
+                (fired if case["exp_alerts"] else silent).add(case["alertname"])
+                for a in case["exp_alerts"]:
+                    assert a["exp_labels"]["severity"] and set(a["exp_annotations"]) == {"summary", "description"}
+    assert fired == silent == set(ALERTS)
+
+
+def test_grafana_provisioning():
+    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "kvalloc.yml").read_text())
+    [src] = ds["datasources"]
+    assert (src["type"], src["url"], src["isDefault"]) == ("prometheus", "http://localhost:9090", True)
+    # The exemplar label the exporter writes (exporters/prometheus.py: {"trace_id": ...}) becomes a trace link.
+    [dest] = src["jsonData"]["exemplarTraceIdDestinations"]
+    assert dest["name"] == "trace_id" and dest["url"].endswith("$${__value.raw}")
+    assert src["jsonData"]["timeInterval"] == "5s"  # == prometheus.yml's scrape_interval
+    assert yaml.safe_load((GRAFANA / "prometheus.yml").read_text())["global"]["scrape_interval"] == "5s"
+    dash = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "kvalloc.yml").read_text())
+    [prov] = dash["providers"]
+    assert prov["type"] == "file" and prov["options"]["path"] == "/var/lib/grafana/dashboards/kvalloc"
