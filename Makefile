@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup demo test lint bench soak grafana clean
+.PHONY: setup demo dashboard test lint bench soak grafana clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,14 @@ DEMO_ARGS ?= --preset swa-128 --inject swa-misaligned --inject leak
 DEMO_RECORDING ?= recordings/demo.sqlite
 demo: $(STAMP)
 	@mkdir -p $(dir $(DEMO_RECORDING))
-	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite
+	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite --dashboard
+
+# The Streamlit app alone on 127.0.0.1:8501, on the demo's recording (RECORDING=path for another; its directory
+# is the one served).
+RECORDING ?= $(DEMO_RECORDING)
+dashboard: $(STAMP)
+	@mkdir -p $(dir $(RECORDING))
+	$(BIN)/instrumented-alloc dashboard $(RECORDING)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1146,6 +1146,74 @@ class Recording:
             slot_rids={int(s): r for s, r in doc["slot_rids"]} | {int(s): r for r, s, _, _, _ in doc["rows"]},
         )
 
+    # -- aggregates and ranges (for front ends such as the dashboard: SQL does the counting, nothing here loads
+    # the whole recording) ------------------------------------------------------------------------------------
+    def event_count(self) -> int:
+        """Number of stored events (retention and lost events excluded)."""
+        with self._read() as conn:
+            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+
+    def violation_counts(self, start: int | None = None, stop: int | None = None) -> dict[str, int]:
+        """Invariant id -> number of violations with ``start <= step < stop``, most frequent first."""
+        where, args = _step_range(start, stop)
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT invariant, count(*) AS n FROM violations{where} GROUP BY invariant ORDER BY n DESC, invariant",
+                args,
+            ).fetchall()
+        return {i: int(n) for i, n in rows}
+
+    def step_series(self, start: int | None = None, stop: int | None = None, *, max_points: int = 2000) -> list:
+        """``(step, available)`` of the step boundaries with ``start <= step < stop`` (``available``: pool ->
+        free + staged pages, as ``StepBoundary`` carries it), at most ``max_points``: when there are more
+        boundaries, every k-th step counted from the first (k the smallest stride that fits)."""
+        where, args = _step_range(start, stop)
+        where += (" AND " if where else " WHERE ") + "kind = 'StepBoundary'"
+        with self._read() as conn:
+            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM events{where}", args).fetchone()
+            if not n:
+                return []
+            stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
+            rows = conn.execute(
+                f"SELECT seq, step, ts, kind, payload FROM events{where} AND (step - ?) % ? = 0 ORDER BY seq",
+                [*args, int(lo), stride],
+            ).fetchall()
+        out = {}
+        for seq, step, ts, kind, payload in rows:
+            out[int(step)] = dict(self._decode(kind, seq, step, ts, payload).available)  # the last boundary wins
+        return sorted(out.items())
+
+    def event_counts(
+        self, kinds: Iterable, start: int | None = None, stop: int | None = None, *, bucket: int = 1
+    ) -> dict[str, list[tuple[int, int]]]:
+        """Kind name -> ``[(first step of the bucket, events), ...]`` for events with ``start <= step < stop``,
+        counted per bucket of ``bucket`` steps (buckets aligned to multiples of ``bucket``; empty ones omitted)."""
+        names = [k if isinstance(k, str) else k.__name__ for k in kinds]
+        bucket = max(1, int(bucket))
+        where, args = _step_range(start, stop)
+        where += (" AND " if where else " WHERE ") + f"kind IN ({','.join('?' * len(names))})"
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT kind, (step / ?) * ? AS b, count(*) FROM events{where} GROUP BY kind, b ORDER BY kind, b",
+                [bucket, bucket, *args, *names],
+            ).fetchall()
+        out: dict[str, list] = {n: [] for n in names}
+        for kind, b, n in rows:
+            out[kind].append((int(b), int(n)))
+        return out
+
+    def request_span(self, rid) -> tuple[int, int] | None:
+        """(first, last) step of the events and violations stored under request id ``rid`` (events of one
+        request: ledger writes, SWA evictions, release, violations, and calls for that request alone; a batch
+        call for several requests is stored without a request id). None when there is none."""
+        rid = _rid(rid)
+        with self._read() as conn:
+            a = conn.execute("SELECT min(step), max(step) FROM events WHERE rid = ?", (rid,)).fetchone()
+            b = conn.execute("SELECT min(step), max(step) FROM violations WHERE rid = ?", (rid,)).fetchone()
+        lows = [x for x in (a[0], b[0]) if x is not None]
+        highs = [x for x in (a[1], b[1]) if x is not None]
+        return (int(min(lows)), int(max(highs))) if lows else None
+
 
 def _step_range(start, stop) -> tuple[str, list]:
     conds, args = [], []

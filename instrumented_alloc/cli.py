@@ -166,7 +166,10 @@ def _open_dashboard(args, closers: list) -> None:
     except ImportError as exc:
         extra = "pip install 'instrumented-alloc[dashboard]'"
         raise UsageError(f"--dashboard needs the dashboard extra ({extra}): {exc}") from None
-    server = start(os.path.abspath(args.record), port=args.dashboard_port)
+    try:
+        server = start(os.path.abspath(args.record), port=args.dashboard_port)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--dashboard: {exc}") from None
     closers.append(server.stop)
     print(f"dashboard: {server.url}", flush=True)
 
@@ -343,6 +346,17 @@ def _table(rows, right=frozenset()) -> None:
 
 
 # -- presets / dashboard --------------------------------------------------------------------------------------------
+def _dashboard(args: argparse.Namespace) -> int:
+    try:
+        from dashboard.launch import launch  # the Streamlit app; optional extra
+    except ImportError as exc:
+        raise UsageError(f"needs the dashboard extra (pip install 'instrumented-alloc[dashboard]'): {exc}") from None
+    try:
+        return launch(args.recording, port=args.port, directory=args.dir, refresh=args.refresh)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _presets(args: argparse.Namespace) -> int:
     from instrumented_alloc.sim import FAULTS, PRESETS
 
@@ -428,6 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dashboard", action="store_true", help="open the Streamlit dashboard on the live recording")
     demo.add_argument("--dashboard-port", type=_port, default=8501, help="dashboard port (default 8501)")
     demo.set_defaults(func=_demo)
+
+    dash = sub.add_parser(
+        "dashboard",
+        help="the Streamlit app: live view and incident review of flight recordings (127.0.0.1)",
+        description="Start the Streamlit dashboard on 127.0.0.1. It opens recordings read-only, and only under "
+        "--dir (default: the directory of RECORDING, else the working directory).",
+    )
+    dash.add_argument("recording", nargs="?", metavar="RECORDING", help="the flight recording selected first")
+    dash.add_argument("--port", type=_port, default=8501, help="TCP port on 127.0.0.1 (default 8501)")
+    dash.add_argument("--dir", default=None, help="the directory whose recordings the dashboard may open")
+    dash.add_argument("--refresh", type=_finite, default=None, help="seconds between live refreshes (default 2)")
+    dash.set_defaults(func=_dashboard)
 
     check = sub.add_parser("check", help="list a recording's violations; exit 0 clean, 1 violations, 2 unusable",
                            description="Exit status: 0 no violations, 1 violations found, 2 the file is unusable.")

@@ -1,0 +1,366 @@
+"""Pure view functions: recording data (``Recording`` query results, replayed states, events) -> what the
+dashboard shows (rows, series, figures, messages).
+
+Contract: pure (numpy, the standard library, ``instrumented_alloc``; the recorder's exception types); no I/O, no
+Streamlit, no clock. Inputs are never mutated. Rows are lists of dicts with fixed keys (the column names the app
+shows), series are dicts of equal-length lists, so the app only lays them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from exporters.recorder import RecordingError, RecordingNotFoundError
+from instrumented_alloc import events as ev
+from instrumented_alloc.invariants import Violation
+from instrumented_alloc.replay import ReplayState
+from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolSnapshot
+from instrumented_alloc.stats import pool_figures, requests_live, swa_outside_window_tokens
+
+NO_TRACE = "none recorded (no trace was active)"
+# Ops that free pages of the SWA pool (an SWA eviction frees with one of them, then writes swa_evicted_seqlen).
+SWA_FREE_OPS = frozenset({"free_swa", "free_swa_segment"})
+
+
+# -- violations ---------------------------------------------------------------------------------------------------
+def violation_rows(violations: Iterable[Violation], *, newest_first: bool = True, limit: int | None = None) -> list:
+    """One row per violation: step, invariant, request, pool, op, message, trace id (newest first by default)."""
+    rows = [
+        {
+            "step": int(v.step),
+            "invariant": v.invariant,
+            "request": "" if v.rid is None else str(v.rid),
+            "pool": v.pool or "",
+            "op": v.op,
+            "message": v.message,
+            "trace id": v.trace_id or "",
+        }
+        for v in violations
+    ]
+    if newest_first:
+        rows.reverse()
+    return rows if limit is None else rows[:limit]
+
+
+def violation_lines(violations: Iterable[Violation]) -> list:
+    """One markdown line per violation, in order: ":red[**invariant**] · request **rid** · op (pool): message"."""
+    out = []
+    for v in violations:
+        who = "no request" if v.rid is None else f"request **{v.rid}**"
+        where = v.op + (f" ({v.pool})" if v.pool else "")
+        out.append(f":red[**{v.invariant}**] · {who} · {where}: {_md(v.message)}")
+    return out
+
+
+def _md(text: str) -> str:
+    """Plain text inside markdown: characters markdown would interpret are escaped."""
+    for ch in "\\`*_[]<>#|~$":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
+def violation_summary(counts: Mapping[str, int]) -> list:
+    """Rows (invariant, violations) from ``Recording.violation_counts()``, as given (most frequent first)."""
+    return [{"invariant": k, "violations": int(n)} for k, n in counts.items()]
+
+
+def jump_targets(violations: Sequence[Violation]) -> list:
+    """(label, step) for the jump-to-violation picker, in recording order: "step 29 · invariant · request"."""
+    out = []
+    for i, v in enumerate(violations):
+        who = "" if v.rid is None else f" · {v.rid}"
+        out.append((f"#{i + 1} step {v.step} · {v.invariant}{who}", int(v.step)))
+    return out
+
+
+# -- time series --------------------------------------------------------------------------------------------------
+def occupancy_series(series: Sequence, pools: Sequence[Mapping]) -> dict:
+    """Used pages per pool over steps from ``Recording.step_series()``: {"step": [...], "<pool> used": [...]}.
+    Used = the pool's pages (page 0 excluded) minus the free + staged pages the step boundary reports."""
+    out: dict = {"step": [int(s) for s, _ in series]}
+    for p in pools:
+        name, total = p["name"], int(p["num_pages"])
+        out[f"{name} used"] = [total - int(avail.get(name, 0)) for _, avail in series]
+    return out
+
+
+def count_series(
+    counts: Mapping[str, Sequence], labels: Mapping[str, str], span: tuple[int, int] | None = None, bucket: int = 1
+) -> dict:
+    """Per-bucket event counts from ``Recording.event_counts()`` as one table: {"step": [...], label: [...]},
+    zeros where a kind had no event in a bucket. With ``span`` (first, last step) every bucket of the span is a
+    row (a continuous axis: quiet steps show as zeros); without it, only the buckets that had events."""
+    steps = sorted({b for rows in counts.values() for b, _ in rows})
+    if span is not None:
+        bucket = max(1, int(bucket))
+        steps = list(range(span[0] // bucket * bucket, span[1] + 1, bucket))
+    out: dict = {"step": steps}
+    for kind, label in labels.items():
+        got = dict(counts.get(kind, ()))
+        out[label] = [int(got.get(s, 0)) for s in steps]
+    return out
+
+
+# -- one step's state -----------------------------------------------------------------------------------------------
+def _rid_slots(state: ReplayState) -> dict:
+    return {rid: slot for slot, rid in state.slot_rids.items()}
+
+
+def pool_snapshots(state: ReplayState, pools: Sequence[Mapping], sliding_window: int | None) -> dict:
+    """``PoolSnapshot``s (what ``instrumented_alloc.stats`` reads) of a replayed state."""
+    slots = _rid_slots(state)
+    rids = tuple(state.ledger)
+    rows = [state.ledger[r] for r in rids]
+    ledger = LedgerSnapshot(
+        rids=rids,
+        slots=np.array([slots.get(r, -1) for r in rids], np.int64),
+        allocated=np.array([r.allocated for r in rows], np.int64),
+        committed=np.array([r.committed for r in rows], np.int64),
+        evicted=np.array([r.evicted for r in rows], np.int64),
+        sliding_window=sliding_window,
+    )
+    out = {}
+    for p in pools:
+        name = p["name"]
+        owner = state.owners[name]
+        out[name] = PoolSnapshot(
+            pool=name,
+            page_size=int(p["page_size"]),
+            num_pages=int(owner.size - 1),
+            owner=owner,
+            step=int(state.step),
+            ledger=ledger,
+            slot_rids=state.rids_in(name),
+        )
+    return out
+
+
+def step_figures(state: ReplayState, pools: Sequence[Mapping], sliding_window: int | None) -> dict:
+    """The metric catalog's figures at one step: {"pools": [row per pool], "requests_live",
+    "swa_outside_window_tokens", "step"}; a pool row: pool, free, used, staged, reserved, free runs,
+    largest free run, external fragmentation, internal fragmentation (ratios rounded to 4 places)."""
+    snaps = pool_snapshots(state, pools, sliding_window)
+    rows = []
+    for name, snap in snaps.items():
+        f = pool_figures(snap)
+        s = f["pages_by_state"]
+        rows.append(
+            {
+                "pool": name,
+                "free": s["free"],
+                "used": s["used"],
+                "staged": s["staged"],
+                "reserved": s["reserved"],
+                "free runs": f["free_run_count"],
+                "largest free run": f["largest_free_run"],
+                "external fragmentation": round(f["external_fragmentation"], 4),
+                "internal fragmentation": round(f["internal_fragmentation"], 4),
+            }
+        )
+    ledger = next(iter(snaps.values())).ledger if snaps else None
+    return {
+        "pools": rows,
+        "requests_live": requests_live(ledger) if ledger is not None else 0,
+        "swa_outside_window_tokens": swa_outside_window_tokens(ledger) if ledger is not None else 0,
+        "step": int(state.step),
+    }
+
+
+def violation_slots(state: ReplayState, violations: Iterable[Violation], step: int) -> set:
+    """Ledger slots (page owners in ``state``) of the requests named by a violation at or before ``step``: the
+    pages the page map marks "in a violation" (a leaked request's pages stay marked while it holds them)."""
+    named = {v.rid for v in violations if v.rid is not None and v.step <= step}
+    return {int(s) for s, r in state.slot_rids.items() if r in named}
+
+
+def swa_evicted_pages(events: Iterable[ev.Event], pool: str = "swa") -> np.ndarray:
+    """Pages of ``pool`` released by an SWA eviction in ``events`` (in seq order) and not handed out again.
+
+    The rule (the wrapper does not tag a free as an eviction): an eviction is the engine's SWA free
+    (``free_swa``/``free_swa_segment``) followed by the request's ``swa_evicted_seqlen`` write (a ``SwaEvict``
+    event) before any other SWA free; the pages that free released are "SWA-evicted" until a later change
+    gives them an owner again."""
+    evicted: set = set()
+    pending: list = []
+    for e in events:
+        if isinstance(e, ev.PageUpdate) and e.pool == pool:
+            pages = np.asarray(e.pages, np.int64).ravel()
+            owners = np.broadcast_to(np.asarray(e.owners), pages.shape)
+            freed = pages[owners <= FREE]
+            taken = pages[owners > FREE]
+            evicted.difference_update(taken.tolist())
+            if e.op in SWA_FREE_OPS:
+                pending = freed.tolist()
+            elif freed.size:  # another kind of free (a finish through free()): not an eviction
+                evicted.difference_update(freed.tolist())
+                pending = []
+        elif isinstance(e, ev.SwaEvict):
+            evicted.update(pending)
+            pending = []
+    return np.array(sorted(evicted), np.int64)
+
+
+# -- one request's lifeline -----------------------------------------------------------------------------------------
+def _call(rids) -> str:
+    """How a call's totals read in one request's lifeline: a batch call's figures are the whole batch's."""
+    return f"batch of {len(rids)} requests, " if len(rids) > 1 else ""
+
+
+def _ledger_after(e, rid, cur: list) -> bool:
+    """Update ``cur`` ([allocated, committed, evicted]) from a ledger event of ``rid``; True when it changed."""
+    before = list(cur)
+    if isinstance(e, ev.LedgerUpdate):
+        for i, r in enumerate(e.rids):
+            if r == rid:
+                cur[:] = [int(e.allocated[i]), int(e.committed[i]), int(e.evicted[i])]
+    elif isinstance(e, ev.LedgerWrite) and e.rid == rid:
+        idx = {"kv_allocated_len": 0, "kv_committed_len": 1, "swa_evicted_seqlen": 2}.get(e.field)
+        if idx is not None:
+            cur[idx] = int(e.new)
+    return cur != before
+
+
+def _concerns(e, rid) -> bool:
+    if isinstance(e, (ev.Alloc, ev.AllocFailed, ev.Free, ev.LedgerUpdate)):
+        return rid in e.rids
+    if isinstance(e, (ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased)):
+        return e.rid == rid
+    if isinstance(e, ev.ViolationEvent):
+        return e.violation.rid == rid
+    return False
+
+
+def lifeline(rid, events: Iterable[ev.Event], *, start_ledger: Sequence[int] | None = None) -> dict:
+    """One request's KV history from ``events`` (in seq order; events of other requests are ignored).
+
+    Returns {"rows": [...], "ledger": {"step", "kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen"},
+    "trace_id", "violations", "released"}. A row: step, mark ("◀ violating write" for a rejected ledger write,
+    "⚠ <invariant>" for another violation, else ""), event (what happened), kv_allocated_len / kv_committed_len /
+    swa_evicted_seqlen (the ledger after it), detail, seq (the first event's seq). Consecutive events of
+    one call (its pools, its ledger update) are one row; consecutive decode steps are one row ("alloc_decode x N").
+    ``start_ledger``: the request's ledger row before the first event (None: zeros)."""
+    cur = list(start_ledger) if start_ledger is not None else [0, 0, 0]
+    raw: list = []  # (key, step, seq, text, mark, detail)
+    series = {"step": [], "kv_allocated_len": [], "kv_committed_len": [], "swa_evicted_seqlen": []}
+    trace = None
+    n_viol = 0
+    released = None
+
+    def point(step):
+        if series["step"] and series["step"][-1] == step:
+            for k in ("step", "kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen"):
+                series[k].pop()
+        series["step"].append(step)
+        series["kv_allocated_len"].append(cur[0])
+        series["kv_committed_len"].append(cur[1])
+        series["swa_evicted_seqlen"].append(cur[2])
+
+    for e in events:
+        if not _concerns(e, rid):
+            continue
+        changed = _ledger_after(e, rid, cur)
+        if changed:
+            point(int(e.step))
+        if isinstance(e, ev.Alloc):
+            raw.append(
+                (
+                    ("call", e.op, e.step),
+                    e.step,
+                    e.seq,
+                    e.op,
+                    "",
+                    f"{e.pool}: {_call(e.rids)}{e.n_slots} slots, {e.n_pages} new pages",
+                )
+            )
+        elif isinstance(e, ev.AllocFailed):
+            raw.append(
+                (
+                    ("call", e.op, e.step),
+                    e.step,
+                    e.seq,
+                    f"{e.op} failed",
+                    "",
+                    f"{e.pool}: {e.requested} wanted, {e.available} available",
+                )
+            )
+        elif isinstance(e, ev.Free):
+            raw.append((("call", e.op, e.step), e.step, e.seq, e.op, "", f"{e.pool}: {_call(e.rids)}{e.n_pages} pages"))
+        elif isinstance(e, ev.LedgerUpdate):
+            raw.append((("call", e.op, e.step), e.step, e.seq, e.op, "", ""))
+        elif isinstance(e, ev.LedgerWrite):
+            raw.append((("write", e.seq), e.step, e.seq, f"{e.field} = {e.new}", "", f"was {e.old}"))
+        elif isinstance(e, ev.SwaEvict):
+            raw.append(
+                (("write", e.seq - 1), e.step, e.seq, f"SWA eviction {e.old} -> {e.new}", "", f"{e.n_pages} SWA pages")
+            )
+        elif isinstance(e, ev.RequestReleased):
+            released = int(e.step)
+            raw.append((("release", e.seq), e.step, e.seq, "released", "", f"{e.pages_held} pages still held"))
+        elif isinstance(e, ev.ViolationEvent):
+            v = e.violation
+            n_viol += 1
+            trace = trace or v.trace_id
+            mark = "◀ violating write" if v.op == "ledger" else f"⚠ {v.invariant}"
+            text = f"REJECTED write: {v.invariant}" if v.op == "ledger" else f"violation: {v.invariant}"
+            raw.append((("violation", e.seq), e.step, e.seq, text, mark, v.message))
+        raw[-1] = (*raw[-1][:6], tuple(cur))
+
+    rows: list = []
+    last_key = None
+    for key, step, seq, text, mark, detail, led in raw:
+        if key == last_key and rows:
+            row = rows[-1]
+            if detail and detail not in row["detail"]:
+                row["detail"] = f"{row['detail']}; {detail}" if row["detail"] else detail
+            row["kv_allocated_len"], row["kv_committed_len"], row["swa_evicted_seqlen"] = led
+            continue
+        last_key = key
+        rows.append(
+            {
+                "step": int(step),
+                "mark": mark,
+                "event": text,
+                "kv_allocated_len": led[0],
+                "kv_committed_len": led[1],
+                "swa_evicted_seqlen": led[2],
+                "detail": detail,
+                "seq": int(seq),
+            }
+        )
+    return {
+        "rows": _collapse_decodes(rows),
+        "ledger": series,
+        "trace_id": trace or NO_TRACE,
+        "violations": n_viol,
+        "released": released,
+    }
+
+
+def _collapse_decodes(rows: list) -> list:
+    """Runs of consecutive one-token decode rows -> one row "alloc_decode x N (steps a-b)"."""
+    out: list = []
+    run = 0
+    for row in rows:
+        if row["event"] == "alloc_decode" and not row["mark"] and out and out[-1]["event"].startswith("alloc_decode"):
+            run += 1
+            prev = out[-1]
+            prev["event"] = f"alloc_decode x {run + 1} (steps {prev['step']}-{row['step']})"
+            for k in ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen"):
+                prev[k] = row[k]
+            prev["detail"] = "one token per step"
+            continue
+        run = 0
+        out.append(dict(row))
+    return out
+
+
+# -- messages ------------------------------------------------------------------------------------------------------
+def error_text(exc: BaseException) -> str:
+    """What the page says for a recording that cannot be shown (never a traceback)."""
+    if isinstance(exc, RecordingNotFoundError):
+        return f"No recording found: {exc}"
+    if isinstance(exc, RecordingError):
+        return f"This file cannot be shown as a flight recording: {exc}"
+    return f"The recording could not be read ({type(exc).__name__}): {exc}"

@@ -1,0 +1,235 @@
+"""The Streamlit app through Streamlit's AppTest (the real script, run headless in-process) on demo-engine
+recordings with injected faults: violation ids, steps and request ids on the page; the step slider and the
+jump-to-violation picker change the page map; a request's lifeline shows the ledger values the recording
+holds; bad input is a message on the page, never a traceback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dashboard import data
+from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
+from dashboard.pagemap import page_map
+from exporters.recorder import Recording
+
+try:
+    from streamlit.testing.v1 import AppTest
+except ImportError:  # pragma: no cover - the dashboard extra is not installed
+    AppTest = None
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+
+
+@pytest.fixture
+def app(recordings, monkeypatch):
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+
+    def run(name: str, **env):
+        monkeypatch.setenv(ENV_DIR, str(recordings.dir))
+        monkeypatch.setenv(ENV_RECORDING, name)
+        monkeypatch.setenv(ENV_REFRESH, "3600")  # AppTest runs the live fragment once per run
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return run
+
+
+def table(at, i: int) -> list[dict]:
+    """Rows of the i-th table: 0 the step's pool figures, 1 the violation summary, 2 every violation, then the
+    lifeline."""
+    return at.dataframe[i].value.to_dict("records")
+
+
+def legend_counts(at) -> dict:
+    """Pool -> {state label: pages} from the page map legends, in page order."""
+    out = {}
+    titles = [m.value for m in at.markdown if m.value.startswith("**Page map: pool")]
+    legends = [m.value for m in at.markdown if "background:#" in m.value]
+    for title, legend in zip(titles, legends):
+        pool = re.search(r"pool `(\w+)`", title).group(1)
+        out[pool] = {k: int(n.replace(",", "")) for k, n in re.findall(r"&nbsp;([^:<]+): <b>([\d,]+)</b>", legend)}
+    return out
+
+
+def recorded(recordings, name="faults.sqlite"):
+    with Recording(recordings.dir / name) as r:
+        return r.violations(), r.violation_counts(), r.steps()
+
+
+def test_incident_review_opens_at_the_first_violation(app, recordings):
+    (_, s1, rid1, inv1), (_, s2, rid2, inv2) = recordings.faults
+    assert (inv1, inv2) == ("swa_evicted_seqlen_page_aligned", "double_free")
+    vs, counts, _ = recorded(recordings)
+    assert (vs[0].invariant, vs[0].step, vs[0].rid) == (inv1, s1, rid1)  # the seed's bug is the first violation
+    at = app("faults.sqlite")
+    assert at.slider(key="step").value == s1
+    n_here = sum(1 for v in vs if v.step == s1)
+    lines = [m.value for m in at.markdown]
+    i = lines.index(f"**Violations at step {s1}: {n_here}**")
+    assert lines[i + 1].startswith(
+        f":red[**swa_evicted_seqlen_page_aligned**] · request **{rid1}** · ledger: swa\\_evicted\\_seqlen="
+    )
+    assert "is not a non-negative multiple of page\\_size=16" in lines[i + 1]
+    # The full list is exactly what the recording holds, in order; both injected faults are in it.
+    every = table(at, 2)
+    assert [(x["step"], x["invariant"], x["request"]) for x in every] == [
+        (v.step, v.invariant, "" if v.rid is None else str(v.rid)) for v in vs
+    ]
+    assert (s2, "double_free", rid2) in [(x["step"], x["invariant"], x["request"]) for x in every]
+    assert {x["invariant"]: x["violations"] for x in table(at, 1)} == counts
+    jump = at.selectbox(key="jump")
+    assert jump.options[0] == f"#1 step {s1} · swa_evicted_seqlen_page_aligned · {rid1}"
+    k = next(i for i, v in enumerate(vs) if v.invariant == "double_free")
+    assert jump.options[k] == f"#{k + 1} step {s2} · double_free · {rid2}"
+
+
+def test_the_step_slider_changes_the_page_map(app, recordings):
+    vs, _, _ = recorded(recordings)
+    quiet = vs[0].step - 20  # a step before any violation
+    at = app("faults.sqlite")
+    before = legend_counts(at)
+    urls_before = [im.proto.imgs[0].url for im in at.image]
+    at.slider(key="step").set_value(quiet).run()
+    assert not at.exception
+    after = legend_counts(at)
+    assert [im.proto.imgs[0].url for im in at.image] != urls_before
+    assert after != before
+    # The page map of a step is the state at the end of that step: the same as the replayed next boundary.
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        state = r.state_at(quiet + 1)
+    for pool in ("full", "swa"):
+        pm = page_map(state.owners[pool])
+        # No violation yet: nothing is marked, the counts are the plain page states.
+        assert after[pool]["used"] == pm.counts["used"] > 0
+        assert after[pool]["free"] + after[pool]["SWA-evicted (released by an SWA eviction)"] == pm.counts["free"]
+        assert after[pool]["in a violation (owned by a request a violation names)"] == 0
+    # At the first violation the violating request's pages are marked, and where they are is said in page ids.
+    assert before["full"]["in a violation (owned by a request a violation names)"] > 0
+    assert not [c for c in at.caption if c.value.startswith("Pages in a violation")]
+    at.slider(key="step").set_value(vs[0].step).run()
+    where = [c.value for c in at.caption if c.value.startswith("Pages in a violation in pool `full`: ")]
+    assert len(where) == 1
+    runs = re.findall(r"(\d+)(?:-(\d+))?", where[0].split(": ", 1)[1])
+    if not where[0].endswith("..."):  # all runs listed: they add up to the legend's count
+        n = sum(int(b or a) - int(a) + 1 for a, b in runs)
+        assert n == before["full"]["in a violation (owned by a request a violation names)"]
+
+
+def test_jump_to_a_violation_moves_the_slider(app, recordings):
+    _, (_, s2, rid2, _) = recordings.faults
+    at = app("faults.sqlite")
+    label = next(o for o in at.selectbox(key="jump").options if "double_free" in o)
+    at.selectbox(key="jump").set_value(label).run()
+    assert not at.exception
+    assert at.slider(key="step").value == s2
+    lines = "\n".join(m.value for m in at.markdown)
+    assert f":red[**double_free**] · request **{rid2}** · free_full (full): free\\_full frees" in lines
+
+
+def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
+    (_, s1, rid1, _), _ = recordings.faults
+    vs, _, _ = recorded(recordings)
+    bad = next(v for v in vs if v.rid == rid1 and v.op == "ledger")
+    at = app("faults.sqlite")
+    at.selectbox(key="request").set_value(rid1).run()
+    assert not at.exception
+    rows = table(at, len(at.dataframe) - 1)
+    marked = [r for r in rows if r["mark"]]
+    assert [(r["step"], r["event"], r["mark"], r["detail"]) for r in marked] == [
+        (s1, "REJECTED write: swa_evicted_seqlen_page_aligned", "◀ violating write", bad.message)
+    ]
+    text = " ".join(m.value for m in at.markdown)
+    assert f"Request **{rid1}**" in text and "none recorded (no trace was active)" in text
+    # A row holds the values at the end of its step when the next row starts in a later step (a collapsed decode
+    # row "alloc_decode x N (steps a-b)": at the end of step b). Each equals the replayed ledger of that step.
+    last_per_step = {}
+    for row, nxt in zip(rows, [*rows[1:], None]):
+        run = re.search(r"\(steps \d+-(\d+)\)", row["event"])
+        end = int(run.group(1)) if run else row["step"]
+        if nxt is None or nxt["step"] > end:
+            last_per_step[end] = row
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        checked = 0
+        for step, row in last_per_step.items():
+            led = data.state_end_of(r, step).ledger.get(rid1)
+            if led is None:  # released in that step
+                continue
+            assert (row["kv_allocated_len"], row["kv_committed_len"], row["swa_evicted_seqlen"]) == tuple(led), step
+            checked += 1
+    assert checked >= 3
+    evicted = [r["swa_evicted_seqlen"] for r in rows if r["kv_allocated_len"] > 0]  # free_full zeroes the row
+    assert evicted == sorted(evicted) and evicted[-1] > 0 and all(x % 16 == 0 for x in evicted)
+
+
+def test_live_view_shows_counts_and_newest_violations_first(app, recordings):
+    vs, _, (_, last) = recorded(recordings)
+    at = app("faults.sqlite")
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["violations"] == str(len(vs)) and metrics["step"] == str(last)
+    assert metrics["recording"] == "finished"
+    vrows = next(t.value.to_dict("records") for t in at.dataframe if "invariant" in t.value.columns)
+    shown = [v for v in vs if v.step >= last - 500]
+    assert [(x["step"], x["invariant"]) for x in vrows] == [(v.step, v.invariant) for v in reversed(shown)]
+    assert len(at.image) == 2  # the page maps of both pools
+
+
+def test_clean_recording_has_no_violation(app, recordings):
+    vs, _, (_, last) = recorded(recordings, "clean.sqlite")
+    assert vs == []
+    at = app("clean.sqlite")
+    assert f"**Violations at step {last}: 0**" in [m.value for m in at.markdown]
+    assert not [s for s in at.selectbox if s.key == "jump"]
+    assert not at.error
+    assert len(at.image) == 1  # a dense model: one pool
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("missing.sqlite", r"missing\.sqlite: no such file \(expected a flight recording\)"),
+        ("notes.sqlite", r"notes\.sqlite (is not a flight recording|cannot be opened)"),
+        ("empty.sqlite", r"empty\.sqlite is not a flight recording \(no table"),
+        (
+            "truncated.sqlite",
+            r"truncated\.sqlite is not a flight recording \(database disk image is malformed\): "
+            r"the file is damaged or incomplete",
+        ),
+        ("../outside.sqlite", r"outside the dashboard's recording directory"),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(app, name, expected):
+    at = app(name)
+    assert len(at.error) == 1
+    assert re.search(expected, at.error[0].value), at.error[0].value
+    assert "Traceback" not in at.error[0].value
+
+
+def test_recording_cut_off_by_a_crash_is_shown_up_to_its_last_transaction(app, recordings):
+    at = app("crashed.sqlite")
+    assert not at.error
+    caption = " ".join(c.value for c in at.caption)
+    assert "not closed (still being written, or cut off by a crash)" in caption
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception and not at.error
+    assert {m.label: m.value for m in at.metric}["recording"] == "open"
+    leak = recordings.crashed_leak
+    every = table(at, 2)
+    assert (leak.step, "request_leak", str(leak.rid)) in [(x["step"], x["invariant"], x["request"]) for x in every]
+
+
+def test_a_recording_without_events_says_so(app):
+    at = app("fresh.sqlite")
+    assert not at.error
+    assert [i.value for i in at.info] == ["This recording has no events yet: only the state when recording started."]
+    assert len(at.image) == 2
