@@ -1,0 +1,235 @@
+"""Does the wrapper add a host-device synchronisation? A decode loop on CUDA under
+``torch.cuda.set_sync_debug_mode``, bare and wrapped in every mode, and the per-step ratio on the GPU.
+
+``python -m benchmarks.gpu_sync_check [--steps N] [--batch B] [--device cuda|cpu]``
+
+The loop is an engine's: one extend of ``batch`` requests (prompts of 3 pages + 5 tokens), then ``steps`` decode
+steps; every ``evict_every`` steps each request's SWA KV that left the window is freed by segment and its evicted
+length written through the ledger; at the end every request is freed (SWA segment, then the full row) and released.
+Everything the allocator reads on the device stays there: ``seq_lens`` and ``last_loc`` are device tensors updated
+on the device, ``*_cpu`` twins are host tensors, the request rows live in a device ``req_to_token`` table, and the
+frees take slices of it. Allocators: paged (page size 16) and SWA (page size 16), each bare, then wrapped with
+``mode="off"``, ``mode="record", verify="auto"`` (deferred on CUDA) and ``verify="deferred"``.
+
+Counting: ``set_sync_debug_mode("warn")`` makes every synchronising CUDA call (``.item()``, ``.cpu()``,
+``nonzero``, a D2H copy...) warn; the warnings raised inside each operation are counted by operation, bare and
+wrapped, and the table reports the difference (the target: the wrapper adds none; the bare allocators have their
+own, e.g. ``torch.unique`` in a set-shaped ``free``, which SGLang has too). Then the same loop runs once more
+under ``set_sync_debug_mode("error")`` for each wrapped configuration whose count added nothing, as the proof.
+``step()`` is outside the counted operations but inside the "error" run: it must not wait on the device either
+(``flush()`` and ``check_consistency()`` may, and are called after the loop, outside it).
+
+On a machine without CUDA it says so and exits 2; ``--device cpu`` runs the same loop on the CPU without the
+sync check (a smoke test of the script, used by the tests). Runs in well under a minute on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+
+import torch
+
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+
+I64 = torch.int64
+PS = 16
+WINDOW = 64
+CONFIGS = (("bare", None, None), ("off", "off", "auto"), ("record auto", "record", "auto"),
+           ("record deferred", "record", "deferred"))
+
+
+class _Counter:
+    """Counts the sync-debug warnings raised inside each named operation."""
+
+    def __init__(self, device: torch.device, counting: bool):
+        self.by_op: Counter = Counter()
+        self.counting = counting and device.type == "cuda"
+
+    def __call__(self, op: str, fn, *args, **kwargs):
+        if not self.counting:
+            return fn(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn(*args, **kwargs)
+        n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+        if n:
+            self.by_op[op] += n
+        return out
+
+
+def _make(kind: str, device, mode, verify, tokens: int):
+    if kind == "swa":
+        inner = SWATokenToKVPoolAllocator(tokens, tokens, PS, torch.float16, device)
+    else:
+        inner = PagedTokenToKVPoolAllocator(tokens, PS, torch.float16, device)
+    if mode is None:
+        return inner, None
+    w = InstrumentedAllocator(inner, mode=mode, verify=verify, sliding_window=WINDOW if kind == "swa" else None)
+    return w, (w.ledger if mode != "off" else None)
+
+
+def run_loop(kind: str, device: torch.device, mode, verify, *, batch: int, steps: int, evict_every: int,
+             counting: bool, strict: bool = False) -> tuple[Counter, float]:
+    """One loop; returns (sync warnings by op, seconds per decode step incl. the step boundary). ``strict``: the
+    decode loop (decode, evictions, ledger writes, ``step()``) runs under ``set_sync_debug_mode("error")``."""
+    prompt = 3 * PS + 5
+    max_len = prompt + steps + PS
+    tokens = (batch * (max_len // PS + 2) + 4) * PS
+    alloc, ledger = _make(kind, device, mode, verify, tokens)
+    count = _Counter(device, counting)
+    rids = [f"r{i}" for i in range(batch)]
+    req_to_token = torch.zeros((batch, max_len), dtype=I64, device=device)
+    zeros_cpu = torch.zeros(batch, dtype=I64)
+    seq_cpu = torch.full((batch,), prompt, dtype=I64)
+    seq = seq_cpu.clone().to(device, non_blocking=True)  # clone: on the CPU, .to() would alias the host twin
+    zeros = zeros_cpu.to(device, non_blocking=True)
+    last = torch.full((batch,), -1, dtype=I64, device=device)
+    bind = alloc.batch if ledger is not None else (lambda r: _Null())
+    with bind(rids):
+        out = count("alloc_extend", alloc.alloc_extend, zeros, zeros_cpu, seq, seq_cpu, last, batch * prompt)
+    req_to_token[:, :prompt] = out.view(batch, prompt)
+    last = out.view(batch, prompt)[:, -1]
+    if mode is not None:
+        alloc.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if strict:
+            torch.cuda.set_sync_debug_mode("error")
+    t0 = time.perf_counter()
+    try:
+        _decode_loop(alloc, ledger, count, kind, mode, rids, req_to_token, seq, seq_cpu, last, prompt, steps,
+                     evict_every, bind)
+    finally:
+        if strict and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t0) / steps
+    length = prompt + steps
+    evicted = _last_eviction(prompt, steps, evict_every) if kind == "swa" else 0
+    for i in range(batch):
+        if kind == "swa":
+            count("free_swa_segment", alloc.free_swa_segment, req_to_token[i, evicted:length], start_pos=evicted)
+            count("free_full", alloc.free_full, req_to_token[i, :length])
+        else:
+            count("free", alloc.free, req_to_token[i, :length])
+        if ledger is not None:
+            alloc.release_request(rids[i])
+    if mode not in (None, "off"):
+        alloc.step()
+        alloc.flush()  # may wait: outside the loop, as an engine's idle check
+        found = alloc.check_consistency()
+        if found or alloc.violation_counts:
+            raise AssertionError(f"{kind} {mode}/{verify}: the loop was not clean: {dict(alloc.violation_counts)}")
+    return count.by_op, per_step
+
+
+def _decode_loop(alloc, ledger, count, kind, mode, rids, req_to_token, seq, seq_cpu, last, length, steps, evict_every,
+                 bind):
+    evicted = 0
+    for s in range(steps):
+        seq_cpu = seq_cpu + 1
+        seq = seq + 1
+        with bind(rids):
+            last = count("alloc_decode", alloc.alloc_decode, seq, seq_cpu, last)
+        req_to_token[:, length] = last
+        length += 1
+        if kind == "swa" and s % evict_every == evict_every - 1:
+            new = max(0, length - WINDOW) // PS * PS
+            if new > evicted:
+                for i, rid in enumerate(rids):
+                    count("free_swa_segment", alloc.free_swa_segment, req_to_token[i, evicted:new], start_pos=evicted)
+                    if ledger is not None:
+                        count("ledger write", setattr, ledger[rid], "swa_evicted_seqlen", new)
+                evicted = new
+        if mode is not None:
+            alloc.step()
+
+
+def _last_eviction(prompt: int, steps: int, evict_every: int) -> int:
+    """The evicted length ``_decode_loop`` leaves (the same arithmetic, without running it)."""
+    evicted, length = 0, prompt
+    for s in range(steps):
+        length += 1
+        if s % evict_every == evict_every - 1:
+            evicted = max(evicted, max(0, length - WINDOW) // PS * PS)
+    return evicted
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_sync_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--evict-every", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_sync_check: no CUDA device here (torch.cuda.is_available() is False): nothing measured. "
+              "Run it on a GPU machine, or with --device cpu for a smoke test of the loop.", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    print(f"device: {torch.cuda.get_device_name(0) if cuda else 'cpu'}; torch {torch.__version__}; batch "
+          f"{args.batch}, {args.steps} decode steps, page size {PS}, SWA window {WINDOW}")
+    ok = True
+    rows = []
+    for kind in ("paged", "swa"):
+        base = None
+        times: dict[str, list[float]] = {}
+        for label, mode, verify in CONFIGS:
+            kw = dict(batch=args.batch, steps=args.steps, evict_every=args.evict_every)
+            run_loop(kind, device, mode, verify, counting=False, **kw)  # warm-up (allocator kernels, caches)
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                syncs, _ = run_loop(kind, device, mode, verify, counting=True, **kw)
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+            times[label] = [run_loop(kind, device, mode, verify, counting=False, **kw)[1]
+                            for _ in range(args.repeats)]
+            if base is None:
+                base = syncs
+            added = {op: n - base.get(op, 0) for op, n in syncs.items() if n > base.get(op, 0)}
+            proof = "-"
+            if cuda:
+                try:
+                    run_loop(kind, device, mode, verify, counting=False, strict=True, **kw)
+                    proof = "clean"
+                except RuntimeError as exc:
+                    proof = f"FAILED: {str(exc).splitlines()[0]}"
+                    ok = ok and mode is None  # the bare allocator's own syncs are reported, not ours to fail
+            if added:
+                ok = False
+            ratio = statistics.median(times[label]) / statistics.median(times["bare"])
+            rows.append((kind, label, dict(syncs) if cuda else "n/a", added if cuda else "n/a", proof,
+                         statistics.median(times[label]) * 1e6, ratio))
+    head = f"{'pool':6} {'config':16} {'syncs (by op)':34} {'added':22} {'error mode':10} {'us/step':>9} {'/bare':>7}"
+    print(head)
+    print("-" * len(head))
+    for kind, label, syncs, added, proof, us, ratio in rows:
+        print(f"{kind:6} {label:16} {syncs!s:34} {added or 'none'!s:22} {proof:10} {us:9.1f} {ratio:7.3f}")
+    if not cuda:
+        print("cpu run: the loop and the table only; no sync check without CUDA")
+        return 0
+    print("gpu_sync_check: " + ("PASS: the wrapper adds no synchronisation" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
