@@ -8,7 +8,13 @@ Contract:
   exception leaves the wrapper).
 - A sink is a callable ``sink(batch: Sequence[Event]) -> bool | None``. It must not block. Returning False
   ("refused") or raising drops that batch for that sink: the bus counts the dropped events per sink name in
-  ``dropped`` and never lets the exception reach the allocator's caller.
+  ``dropped`` and never lets the exception reach the allocator's caller. The first exception of each sink name is
+  logged once (a warning on the ``instrumented_alloc.events`` logger naming the sink and the exception, pointing at
+  ``dropped``); later failures of that sink are only counted (``errors`` keeps the latest text), so a sink that
+  fails on every batch cannot flood the log. A refusal (False) is a sink's own decision and is not logged here.
+- A sink that may block (network, disk, a lock) must be wrapped: ``instrumented_alloc.sinks.NonBlockingSink`` runs
+  it on its own thread behind a bounded queue and refuses (counted here) when the queue is full. The bus itself
+  stays synchronous: with no sink it costs nothing, and our own exporters never block (they only enqueue).
 - No sink: the wrapper builds no events at all (``EventBus.active`` is False), so instrumentation with no
   subscriber costs nothing beyond the checks themselves. A sink may declare ``event_types`` (a set of event
   classes it reads); the wrapper then skips building the costly kinds nobody asked for (``PageUpdate``,
@@ -22,11 +28,14 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from instrumented_alloc.invariants import Violation
+
+logger = logging.getLogger("instrumented_alloc.events")
 
 
 @dataclass(frozen=True)
@@ -232,7 +241,18 @@ class EventBus:
                 ok = s(batch)
             except Exception as exc:  # a sink must never break the allocator's caller
                 ok = False
-                self.errors[sink_name(s)] = f"{type(exc).__name__}: {exc}"
+                name = sink_name(s)
+                first = name not in self.errors
+                self.errors[name] = f"{type(exc).__name__}: {exc}"
+                if first:  # once per sink name: a sink failing on every batch must not flood the log
+                    logger.warning(
+                        "event sink %r failed: %s: %s; its batches are dropped and counted in bus.dropped[%r] "
+                        "(further failures of this sink are not logged)",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                        name,
+                    )
             if ok is False:
                 name = sink_name(s)
                 self.dropped[name] = self.dropped.get(name, 0) + len(batch)

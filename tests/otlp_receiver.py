@@ -19,11 +19,18 @@ def _value(any_value):
 
 
 class Receiver:
-    """A minimal OTLP/HTTP traces endpoint on 127.0.0.1: decodes every POST /v1/traces and keeps its spans."""
+    """A minimal OTLP/HTTP traces endpoint on 127.0.0.1: decodes every POST /v1/traces and keeps its spans.
 
-    def __init__(self, delay: float = 0.0, *, keep: bool = True):
+    ``status``: the HTTP status it answers with (settable while it runs: a collector failing, then recovering). Any
+    status but 200 is answered without decoding or keeping the body (a collector that failed accepted nothing) and
+    counted in ``errors_sent``. ``port``: bind this port (a collector coming back where it was); 0: an ephemeral one.
+    """
+
+    def __init__(self, delay: float = 0.0, *, keep: bool = True, status: int = 200, port: int = 0):
         self.delay = delay
         self.keep = keep  # False: count spans only (a soak must not grow the receiver's memory)
+        self.status = status
+        self.errors_sent = 0
         self.n_spans = 0
         self.spans: list = []  # (resource attributes, span proto)
         self.encodings: list = []
@@ -45,6 +52,17 @@ class Receiver:
                     if self.path != "/v1/traces":
                         self.send_response(404)
                         self.end_headers()
+                        return
+                    status = receiver.status
+                    if status != 200:
+                        with receiver.lock:
+                            receiver.errors_sent += 1
+                        payload = b"collector unavailable"
+                        self.send_response(status)
+                        self.send_header("Content-Type", "text/plain")
+                        self.send_header("Content-Length", str(len(payload)))
+                        self.end_headers()
+                        self.wfile.write(payload)
                         return
                     encoding = self.headers.get("Content-Encoding", "")
                     if encoding == "gzip":
@@ -72,7 +90,7 @@ class Receiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
