@@ -190,7 +190,7 @@ def main(argv=None) -> int:
             print(f"  step {i:,} ({time.perf_counter() - t0:.0f} s): rss {rss_bytes() / 2**20:.1f} MiB, "
                   f"violations {eng.violation_count()}", file=sys.stderr, flush=True)
 
-    with Receiver() as receiver, tempfile.TemporaryDirectory(prefix="kvalloc-soak-") as tmp:
+    with Receiver(keep=False) as receiver, tempfile.TemporaryDirectory(prefix="kvalloc-soak-") as tmp:
         res = soak(args.steps, workdir=Path(tmp), otlp_endpoint=receiver.endpoint, spans_received=receiver.span_count,
                    preset=args.preset, seed=args.seed, max_bytes=args.max_bytes, progress=progress)
     print(res.table())
