@@ -4,8 +4,9 @@
 Sections (see each module's docstring for what exactly is timed): wrapped / bare per operation
 (``bench_ops``), the exporters on vs off (``bench_exporters``), statistics and a scrape vs a sort of the free list,
 recording seek, and the wrapper's memory (``bench_scale``), the demo engine's step loop with everything on vs the
-bare allocator and its resident memory over a 1M-step run (``bench_engine``). ``--quick`` (about a third of the
-time): fewer calls per sample, no 4M-page pool, a 1M-event recording instead of 10M, a 100k-step RSS run.
+bare allocator and its resident memory over a 200k-step run (``bench_engine``; the 1M-step run with every exporter
+on is ``make soak``). ``--quick`` (about a third of the time): fewer calls per sample, no 4M-page pool, a 1M-event
+recording instead of 10M, a 50k-step RSS run.
 """
 
 from __future__ import annotations

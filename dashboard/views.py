@@ -15,8 +15,8 @@ import numpy as np
 from exporters.recorder import RecordingError, RecordingNotFoundError
 from instrumented_alloc import events as ev
 from instrumented_alloc.invariants import Violation
-from instrumented_alloc.replay import ReplayState
-from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolSnapshot
+from instrumented_alloc.replay import ReplayState, to_snapshots
+from instrumented_alloc.shadow import FREE
 from instrumented_alloc.stats import pool_figures, requests_live, swa_outside_window_tokens
 
 NO_TRACE = "none recorded (no trace was active)"
@@ -104,37 +104,12 @@ def count_series(
 
 
 # -- one step's state -----------------------------------------------------------------------------------------------
-def _rid_slots(state: ReplayState) -> dict:
-    return {rid: slot for slot, rid in state.slot_rids.items()}
-
-
 def pool_snapshots(state: ReplayState, pools: Sequence[Mapping], sliding_window: int | None) -> dict:
-    """``PoolSnapshot``s (what ``instrumented_alloc.stats`` reads) of a replayed state."""
-    slots = _rid_slots(state)
-    rids = tuple(state.ledger)
-    rows = [state.ledger[r] for r in rids]
-    ledger = LedgerSnapshot(
-        rids=rids,
-        slots=np.array([slots.get(r, -1) for r in rids], np.int64),
-        allocated=np.array([r.allocated for r in rows], np.int64),
-        committed=np.array([r.committed for r in rows], np.int64),
-        evicted=np.array([r.evicted for r in rows], np.int64),
-        sliding_window=sliding_window,
-    )
-    out = {}
-    for p in pools:
-        name = p["name"]
-        owner = state.owners[name]
-        out[name] = PoolSnapshot(
-            pool=name,
-            page_size=int(p["page_size"]),
-            num_pages=int(owner.size - 1),
-            owner=owner,
-            step=int(state.step),
-            ledger=ledger,
-            slot_rids=state.rids_in(name),
-        )
-    return out
+    """``PoolSnapshot``s (what ``instrumented_alloc.stats`` reads) of a replayed state, for the pools listed in
+    the recording's metadata (their pools page in step, so they share one page size)."""
+    page_size = int(pools[0]["page_size"]) if pools else 1
+    snaps = to_snapshots(state, page_size=page_size, sliding_window=sliding_window)
+    return {p["name"]: snaps[p["name"]] for p in pools}
 
 
 def step_figures(state: ReplayState, pools: Sequence[Mapping], sliding_window: int | None) -> dict:

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -10,3 +11,12 @@ settings.load_profile("ci" if os.environ.get("CI") == "true" else os.environ.get
 
 # The real-Prometheus fixture, shared by tests/exporters and tests/grafana.
 from tests.prometheus_server import prometheus_server  # noqa: E402, F401
+
+
+@pytest.fixture
+def otel_env(monkeypatch):
+    """A clean OTEL_* environment (the machine's own settings must not leak into the tests)."""
+    for k in list(os.environ):
+        if k.startswith("OTEL_"):
+            monkeypatch.delenv(k)
+    return monkeypatch

@@ -191,15 +191,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def otel_env(monkeypatch):
-    """A clean OTEL_* environment (the machine's own settings must not leak into the tests)."""
-    for k in list(os.environ):
-        if k.startswith("OTEL_"):
-            monkeypatch.delenv(k)
-    return monkeypatch
-
-
 # -- 1. the OTLP collector returns errors (or is down), then recovers --------------------------------------------
 @pytest.mark.parametrize("fault", ["500", "503", "down"])
 def test_otlp_collector_fails_then_recovers(otel_env, caplog, fault):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import time
 
@@ -370,15 +369,6 @@ def test_swa_prealloc_and_evictions(memory):
     assert sq.attributes["kv.swa_evicted_seqlen"] == 8
     assert sq.attributes["kv.decode_steps"] == 6
     assert sq.attributes["kv.committed_len"] == 16
-
-
-@pytest.fixture
-def otel_env(monkeypatch):
-    """A clean OTEL_* environment (the machine's own settings must not leak into the tests)."""
-    for k in list(os.environ):
-        if k.startswith("OTEL_"):
-            monkeypatch.delenv(k)
-    return monkeypatch
 
 
 # -- 3. end to end over OTLP/HTTP --------------------------------------------------------------------------------
