@@ -3,7 +3,7 @@ is ``make soak`` (1,000,000 steps); its figures are in README's reliability sect
 
 from __future__ import annotations
 
-from benchmarks.soak import soak
+from benchmarks.soak import soak, within_bounds
 from tests.otlp_receiver import Receiver
 
 STEPS = 6000
@@ -23,6 +23,7 @@ def test_short_soak_with_every_exporter_on(tmp_path):
     # Retention holds the recording near its bound (it trims in whole chunks, after the bound is passed).
     assert res.recording_bytes_max > max_bytes // 2
     assert res.recording_bytes_end <= max_bytes * 1.1
+    assert within_bounds(res), res.table()
     # Every exporter ran for real: scrapes answered, spans decoded by the receiver, nothing dropped.
     assert res.scrapes >= 1 and res.scrape_errors == 0
     assert res.spans_received >= res.finished
