@@ -84,14 +84,17 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.exists())
 
 
-# The recorder's retention bounds the main file (``max_bytes``: a soft bound, it trims after passing it); its WAL is
-# capped separately by SQLite's journal_size_limit (8 MiB) after each checkpoint.
+# The recorder's retention bounds the main file (``max_bytes``), softly: it trims only back to a stored snapshot and
+# asks for one each time a quarter of the budget has been written, so between trims the file holds the bound plus
+# what was written since (measured: up to 1.3x at a 2 MiB bound). Its WAL is capped separately by SQLite's
+# journal_size_limit (8 MiB) after each checkpoint.
 WAL_LIMIT = 8 * 2**20
+SOFT = 1.5
 
 
 def within_bounds(res: SoakResult) -> bool:
-    return (res.main_file_bytes_max <= res.max_bytes * 1.1
-            and res.recording_bytes_max <= res.max_bytes * 1.1 + WAL_LIMIT)
+    return (res.main_file_bytes_max <= res.max_bytes * SOFT
+            and res.recording_bytes_max <= res.max_bytes * SOFT + WAL_LIMIT)
 
 
 def soak(
