@@ -42,10 +42,25 @@ Threading and what is dropped when
   ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``). Nothing on the engine thread waits on the network: when the collector is
   down or slow, the background thread retries within the exporter timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``)
   and gives the batch up; when the queue is full, the oldest queued span is dropped (the SDK logs a warning).
+- Spans lost at export are counted: our own provider's exporter is wrapped in ``CountingSpanExporter``, which
+  counts the spans of every export that returned FAILURE or raised (collector down, timing out, answering 500/503,
+  or the exporter already shut down); they are reported under ``kvalloc_events_dropped_total{sink="otel"}``
+  (``alloc.bus.add_loss_counter``) and in ``spans_dropped``. Not counted: spans the batch processor drops when its
+  queue is full (the SDK offers no public hook for that: it logs "Queue full, dropping Span."; with
+  ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` it counts them in its own metric
+  ``otel.sdk.processor.span.processed{error.type="queue_full"}``), and spans still queued when ``shutdown()`` gives
+  up waiting. With your own ``tracer_provider``, wrap your exporter (``CountingSpanExporter(OTLPSpanExporter())``
+  in your ``BatchSpanProcessor``) and pass it as ``counting_exporter=`` to have its losses reported the same way.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
+
+Request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a random
+key): ``kv.request.id`` (of request and violation spans) and the request id inside ``kv.violation.message`` and the
+status description are the id's keyed pseudonym (``h:`` + 16 hex digits). Share one hasher with the flight recorder
+to join a recording with the spans. ``trace_id_for`` still takes the raw id (what the wrapper and the Prometheus
+exporter's exemplars ask with); nothing raw leaves the process in a span.
 
 Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318/v1/traces``), ``..._HEADERS``, ``..._TIMEOUT``,
@@ -67,12 +82,13 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 
 from instrumented_alloc import events as ev
+from instrumented_alloc.redact import as_hasher
 
-__all__ = ["DEFAULT_SERVICE_NAME", "OtelExporter"]
+__all__ = ["DEFAULT_SERVICE_NAME", "CountingSpanExporter", "OtelExporter"]
 
 _logger = logging.getLogger(__name__)
 
@@ -134,6 +150,68 @@ def _run_bounded(fn, timeout_s: float, name: str):
     return (True, out[0]) if out else (False, None)
 
 
+class CountingSpanExporter(SpanExporter):
+    """A ``SpanExporter`` that forwards to ``inner`` and counts what was lost at export.
+
+    ``dropped``: spans of every ``export`` call that returned anything but SUCCESS or raised (the exception is
+    re-raised: the batch processor logs it as before); ``failed_exports``: those calls; ``exported``: spans of
+    the calls that succeeded. Thread-safe: ``export`` runs on the batch processor's worker thread (and on a
+    flushing thread), the counts are read from any thread. ``shutdown`` and ``force_flush`` are forwarded.
+
+    Usage with your own provider::
+
+        counting = CountingSpanExporter(OTLPSpanExporter())
+        provider.add_span_processor(BatchSpanProcessor(counting))
+        OtelExporter(alloc, tracer_provider=provider, counting_exporter=counting)
+    """
+
+    def __init__(self, inner: SpanExporter):
+        if not callable(getattr(inner, "export", None)):
+            raise TypeError(f"inner: expected a SpanExporter, got {type(inner).__name__}")
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._failed = 0
+        self._exported = 0
+
+    def export(self, spans) -> SpanExportResult:
+        n = len(spans)
+        ok = False
+        try:
+            result = self.inner.export(spans)
+            ok = result is SpanExportResult.SUCCESS
+            return result
+        finally:
+            with self._lock:
+                if ok:
+                    self._exported += n
+                else:
+                    self._dropped += n
+                    self._failed += 1
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        flush = getattr(self.inner, "force_flush", None)
+        return True if flush is None else flush(timeout_millis)
+
+    @property
+    def dropped(self) -> int:
+        with self._lock:
+            return self._dropped
+
+    @property
+    def failed_exports(self) -> int:
+        with self._lock:
+            return self._failed
+
+    @property
+    def exported(self) -> int:
+        with self._lock:
+            return self._exported
+
+
 class _Req:
     """An open request span and what will be set on it at the end."""
 
@@ -172,19 +250,37 @@ class OtelExporter:
         {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
     )
 
-    def __init__(self, alloc, *, tracer_provider=None, max_events_per_span: int = 64, endpoint: str | None = None):
+    def __init__(
+        self,
+        alloc,
+        *,
+        tracer_provider=None,
+        max_events_per_span: int = 64,
+        endpoint: str | None = None,
+        hash_request_ids=None,
+        counting_exporter: CountingSpanExporter | None = None,
+    ):
         if isinstance(max_events_per_span, bool) or not isinstance(max_events_per_span, int):
             raise TypeError(f"max_events_per_span: expected an int, got {type(max_events_per_span).__name__}")
         if max_events_per_span < 1:
             raise ValueError(f"max_events_per_span: expected >= 1, got {max_events_per_span}")
         if tracer_provider is not None and endpoint is not None:
             raise ValueError("endpoint= configures the exporter's own provider; it cannot apply to a tracer_provider")
+        if counting_exporter is not None and not isinstance(counting_exporter, CountingSpanExporter):
+            raise TypeError(
+                f"counting_exporter: expected a CountingSpanExporter, got {type(counting_exporter).__name__}"
+            )
+        if counting_exporter is not None and tracer_provider is None:
+            raise ValueError("counting_exporter= is for a tracer_provider passed in (our own provider counts already)")
+        self._hasher = as_hasher(hash_request_ids)
+        self._id_attr = _attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
         self._ledger = alloc.ledger
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
         self._span_exporter = None
+        self._counting = counting_exporter
         if tracer_provider is None:
             tracer_provider = self._build_provider(endpoint)
         self._provider = tracer_provider
@@ -213,12 +309,17 @@ class OtelExporter:
         }
         alloc.trace_id_for = self.trace_id_for
         alloc.subscribe(self)
+        if self._counting is not None:
+            counting = self._counting  # the total outlives this exporter: a counter never goes back
+            alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
 
     def _build_provider(self, endpoint: str | None) -> TracerProvider:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-        self._span_exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        self._span_exporter = self._counting = CountingSpanExporter(
+            OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        )
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
             limits = SpanLimits(max_events=self._max_events)
@@ -234,6 +335,12 @@ class OtelExporter:
     @property
     def open_requests(self) -> int:
         return len(self._open)
+
+    @property
+    def spans_dropped(self) -> int:
+        """Spans lost at export (see ``CountingSpanExporter``); 0 with a provider passed in and no
+        ``counting_exporter``."""
+        return 0 if self._counting is None else self._counting.dropped
 
     def trace_id_for(self, rid) -> str | None:
         """The trace id (32 hex digits) of ``rid``'s span; opens it when the request is live and has none yet
@@ -320,7 +427,7 @@ class OtelExporter:
             SPAN_REQUEST,
             context=Context(),  # a root span: the engine's current context is no parent of a request's KV
             kind=SpanKind.INTERNAL,
-            attributes={"kv.request.id": _attr_value(rid), "kv.page_size": self._ps},
+            attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
         )
         r = _Req(span)
         self._open[rid] = r
@@ -498,32 +605,33 @@ class OtelExporter:
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
         v = e.violation
+        rid = v.rid
+        message = v.message if self._hasher is None else self._hasher.message(v.message, rid)
         attrs = {
             "kv.violation.invariant": v.invariant,
-            "kv.violation.message": v.message,
+            "kv.violation.message": message,
             "kv.violation.severity": v.severity,
             "kv.violation.op": v.op,
             "kv.step": e.step,
         }
         if v.pool is not None:
             attrs["kv.violation.pool"] = v.pool
-        rid = v.rid
         r = self._open.get(rid) if rid is not None else None
         if r is None and rid is not None and rid in self._ledger:
             r = self._start(rid)
         if r is not None:
             r.violations += 1
             if r.violations == 1:
-                r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {v.message}"))
+                r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
             later.append((r, EV_VIOLATION, attrs))
             return
         parent = Context()
         if rid is not None:
-            attrs["kv.request.id"] = _attr_value(rid)
+            attrs["kv.request.id"] = self._id_attr(rid)
             ctx = self._ended.get(rid)
             if ctx is not None:
                 parent = trace.set_span_in_context(NonRecordingSpan(ctx), Context())
         span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
         span.add_event(EV_VIOLATION, attrs)
-        span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {v.message}"))
+        span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
         span.end()

@@ -25,7 +25,9 @@ What is computed when
   collection; the children's own values lag until then. Violations and allocation failures (rare, and the
   violation carries an exemplar) update their counters at once. Multiprocess mode updates the children at once
   (their values live in files other processes read).
-- ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
+- ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.drop_counts()`` (every sink: this one, the recorder,
+  ...): the bus's ``dropped`` plus what a sink lost after taking the events (the OTel exporter's spans whose export
+  failed, counted under ``otel``).
 - Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
   collector over ``alloc.snapshot(wait=False)`` (never waits for deferred device checks) and ``stats.figures``
   -- never per allocator call. The collector runs on
@@ -197,7 +199,7 @@ class _GaugeCollector:
             x._collect_failed(exc)
             fams = []
         try:
-            fams.append(x._dropped_family(x._alloc.bus.dropped))
+            fams.append(x._dropped_family(x._alloc.bus.drop_counts()))
         except Exception as exc:
             x._collect_failed(exc)
         return fams
@@ -519,7 +521,7 @@ class PrometheusExporter:
             fig = stats.figures(self._alloc.snapshot(wait=False))
             for name, labels, value in self._gauge_values(fig):
                 self._gauges[name].labels(*self._const_values, *labels).set(float(value))
-            for sink, n in list(self._alloc.bus.dropped.items()):
+            for sink, n in self._alloc.bus.drop_counts().items():
                 seen = self._dropped_seen.get(sink, 0)
                 child = self._dropped_counter.labels(*self._const_values, str(sink))
                 if n > seen:

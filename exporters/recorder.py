@@ -44,6 +44,15 @@ SQLite, empty, SQLite without our tables or format) raises ``RecordingError`` (a
 a missing file ``RecordingNotFoundError`` (also a ``FileNotFoundError``). A recording cut off mid-write (killed
 writer) reads up to its last complete transaction. ``state_at`` follows ``instrumented_alloc.replay``'s contract.
 Request ids round-trip when they are ``str`` or ``int``; other ids are stored as their ``repr``.
+
+Hashed request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a
+random key): every request id is stored as its pseudonym (``h:`` + 16 hex digits), wherever it would be stored:
+the events' ``rid``/``rids`` (and the ``rid`` column), the violations' ``rid`` column and the request id in their
+messages (also inside the stored ``ViolationEvent``), the snapshots' ledger rows and slot owners. One function
+(``RequestIdHasher.event_fields``, and ``.snapshots`` for snapshots) maps what the writer is handed before it is
+encoded. The run metadata says so (``request_ids``: the hasher's ``scheme``, never its key; ``{"scheme": "raw"}``
+otherwise). Readers need nothing: replay, ``state_at`` and the dashboard key requests by the id stored, and
+``request_span`` takes the pseudonym.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ import instrumented_alloc
 from instrumented_alloc import events as ev
 from instrumented_alloc import replay
 from instrumented_alloc.invariants import Violation
+from instrumented_alloc.redact import as_hasher
 from instrumented_alloc.replay import EventsLost, ReplayState
 
 logger = logging.getLogger("instrumented_alloc.recorder")
@@ -125,6 +135,7 @@ _RESERVED_META = frozenset(
         "events_dropped",
         "events_lost",
         "failure",
+        "request_ids",
     }
 )
 
@@ -492,7 +503,9 @@ class FlightRecorder:
     keep everything); ``queue_size``: batches the engine thread may run ahead of the writer; ``meta``: run
     metadata stored as given (e.g. ``preset``, ``version``, ``rank``); ``clock``: wall clock for start/end times;
     ``flush_interval``: seconds between commits of ordinary events; ``overwrite``: replace an existing recording
-    at ``path`` (a file that is not a recording is never replaced).
+    at ``path`` (a file that is not a recording is never replaced); ``hash_request_ids``: store every request id
+    as its keyed pseudonym (a ``RequestIdHasher``, shared with the OTel exporter so both agree; a key; True: a
+    random key; see the module contract).
     """
 
     name = SINK_NAME
@@ -513,6 +526,7 @@ class FlightRecorder:
         clock: Callable[[], float] = time.time,
         flush_interval: float = 0.2,
         overwrite: bool = False,
+        hash_request_ids=None,
     ):
         for label, value, low in (("snapshot_every", snapshot_every, 1), ("queue_size", queue_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -526,6 +540,7 @@ class FlightRecorder:
             raise ValueError(f"meta: keys {clash} are written by the recorder itself")
         self.path = os.fspath(path)
         self._alloc = alloc
+        self._hasher = as_hasher(hash_request_ids)
         self._every = snapshot_every
         self._max_events = max_events
         self._max_bytes = max_bytes
@@ -611,6 +626,7 @@ class FlightRecorder:
                 "snapshot_every": self._every,
                 "max_events": self._max_events,
                 "max_bytes": self._max_bytes,
+                "request_ids": self._hasher.scheme if self._hasher is not None else {"scheme": "raw"},
                 **user_meta,
             }
             conn.executescript(_SCHEMA)
@@ -845,9 +861,12 @@ class FlightRecorder:
             )
             rows.append((hi, head["step"], head["ts"], *encode_event(marker)))
         cache = self._rids_cache
+        redact = self._hasher.event_fields if self._hasher is not None else None
         for cls, d in batch:
             if cls is ev.Snapshot:
                 continue
+            if redact is not None:
+                d = redact(d)  # every request id as its pseudonym, before anything is encoded
             kind, rid, payload = _encode(cls, d, cache)
             nbytes += len(payload)
             seq = d["seq"]
@@ -882,6 +901,8 @@ class FlightRecorder:
             self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
 
     def _write_snapshot(self, step: int, seq: int, snaps: Mapping) -> None:
+        if self._hasher is not None:
+            snaps = self._hasher.snapshots(snaps)
         ledger = _encode_ledger(snaps)
         self._conn.executemany(
             "INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?)",

@@ -122,6 +122,12 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
     alloc = engine.alloc
     if args.mode == "off" and (args.record or args.metrics_port is not None or args.otlp_endpoint):
         raise UsageError("--mode off records and exports nothing; drop --record/--metrics-port/--otlp-endpoint")
+    hasher = None
+    if args.hash_request_ids and (args.record or args.otlp_endpoint):  # metrics carry no request ids
+        from instrumented_alloc.redact import RequestIdHasher
+
+        hasher = RequestIdHasher.random()  # one key for this run, kept by nobody; shared so that ids still join
+        print("request ids: hashed (HMAC-SHA256, a random key for this run) in the recording and the spans", flush=True)
     if args.metrics_port is not None:
         from exporters.prometheus import PrometheusExporter
 
@@ -135,7 +141,7 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
     if args.otlp_endpoint:
         from exporters.otel import OtelExporter
 
-        otel = OtelExporter(alloc, endpoint=args.otlp_endpoint)
+        otel = OtelExporter(alloc, endpoint=args.otlp_endpoint, hash_request_ids=hasher)
         closers.append(otel.shutdown)
         print(f"traces: OTLP/HTTP to {args.otlp_endpoint}", flush=True)
     if args.record:
@@ -149,7 +155,10 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
             "preset_parameters": preset.parameters(),
         }
         try:
-            rec = FlightRecorder(alloc, args.record, meta=meta, overwrite=args.overwrite, max_bytes=args.max_bytes)
+            rec = FlightRecorder(
+                alloc, args.record, meta=meta, overwrite=args.overwrite, max_bytes=args.max_bytes,
+                hash_request_ids=hasher,
+            )
         except (RecorderError, OSError, ValueError) as exc:
             raise UsageError(f"--record {args.record}: {exc}") from None
         closers.append(rec.close)
@@ -437,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--otlp-endpoint", metavar="URL", help="export kv.request spans over OTLP/HTTP to this URL "
                       "(e.g. http://127.0.0.1:4318/v1/traces)")
     demo.add_argument("--record", metavar="PATH", help="write a flight recording (SQLite) to PATH")
+    demo.add_argument("--hash-request-ids", action="store_true",
+                      help="store and export request ids as keyed pseudonyms (HMAC-SHA256 with a random key for "
+                           "this run, the same in the recording and the spans)")
     demo.add_argument("--overwrite", action="store_true", help="replace an existing recording at PATH")
     demo.add_argument("--max-bytes", type=int, help="retention: keep the recording under about this many bytes")
     demo.add_argument("--dashboard", action="store_true", help="open the Streamlit dashboard on the live recording")

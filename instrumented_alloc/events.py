@@ -20,6 +20,10 @@ Contract:
   classes it reads); the wrapper then skips building the costly kinds nobody asked for (``PageUpdate``,
   ``LedgerUpdate``, ``Snapshot``). Sinks still receive every event that was built and ignore the rest.
 - Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
+- Losses after a sink took the events (the OTel SDK failing to export the spans made of them, on its own thread)
+  are not the bus's to see: the component registers a running total with ``add_loss_counter(name, counter)``, and
+  ``drop_counts()`` (what ``kvalloc_events_dropped_total{sink}`` reports) is ``dropped`` plus those totals per
+  sink name. ``counter()`` is called from any thread (a scrape's), must be cheap, and never decreases.
 - ``make(cls, seq, ts, step, fields)`` is how the wrapper builds events on its hot path: the same frozen object the
   dataclass constructor builds (same fields, defaults, equality, repr, pickling), without the per-field
   ``object.__setattr__`` of a frozen dataclass's ``__init__`` (a third of the cost).
@@ -27,6 +31,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -200,6 +205,7 @@ class EventBus:
         self._sinks: list[Sink] = []
         self.dropped: dict[str, int] = {}
         self.errors: dict[str, str] = {}
+        self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
         for s in sinks:
@@ -228,6 +234,25 @@ class EventBus:
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""
         return self.active and (self._wanted is None or cls in self._wanted)
+
+    def add_loss_counter(self, name: str, counter: Callable[[], int]) -> None:
+        """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a
+        sink lost after it took the events. Counters stay registered (a total must not go back)."""
+        if not callable(counter):
+            raise TypeError(f"counter: expected a callable, got {type(counter).__name__}")
+        self._loss_counters.setdefault(str(name), []).append(counter)
+
+    def drop_counts(self) -> dict[str, int]:
+        """Per sink name: ``dropped`` (refused or failed batches' events) plus the loss counters' totals. A counter
+        that raises counts as 0 in that call."""
+        out = dict(self.dropped)
+        for name, counters in list(self._loss_counters.items()):
+            n = 0
+            for counter in list(counters):
+                with contextlib.suppress(Exception):
+                    n += int(counter())
+            out[name] = out.get(name, 0) + n
+        return out
 
     @property
     def sinks(self) -> tuple:

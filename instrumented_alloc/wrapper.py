@@ -440,7 +440,8 @@ class InstrumentedAllocator:
                     ArgumentTypeError("rid", f"expected a hashable request id, got {type(rid).__name__}"),
                 )
             if not known:
-                self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"))
+                # The id is named (and carried as the violation's rid, so a hasher can redact it in the message).
+                self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"), rid=rid)
             self._w_st.op = "release"
             self._slot_tier(lambda: self._do_release(rid))
             self._finish()
@@ -1390,8 +1391,8 @@ class InstrumentedAllocator:
         except ArgumentError as exc:
             self._invalid(op, exc)
 
-    def _invalid(self, op: str, exc: Exception):
-        self._violate("invalid_argument", f"{op}: {exc}", op=op)
+    def _invalid(self, op: str, exc: Exception, *, rid=None):
+        self._violate("invalid_argument", f"{op}: {exc}", op=op, rid=rid)
         self._w_to_raise.clear()  # the argument error is what the caller gets, in every mode
         self._deliver()
         raise exc
@@ -1638,8 +1639,13 @@ class InstrumentedAllocator:
         for inv, msg, slot in bad:
             self._violate(inv, msg, slot=slot, op=op, pool=pool)
 
-    def _violate(self, invariant: str, message: str, *, slot: int = -1, op: str = "", pool: str | None = None):
-        rid = self.ledger.rid_of(slot) if slot is not None and slot >= 0 else None
+    def _violate(
+        self, invariant: str, message: str, *, slot: int = -1, op: str = "", pool: str | None = None, rid=None
+    ):
+        """Record a violation. Its request id: the owner of ``slot`` when one is given, else ``rid`` (an id the
+        message names that owns no slot). A message names a request id only as ``request {rid!r}`` or
+        ``request id {rid!r}`` with ``rid`` the violation's own (what ``redact.RequestIdHasher`` replaces)."""
+        rid = self.ledger.rid_of(slot) if slot is not None and slot >= 0 else rid
         if rid is not None and invariant in _TAINTING:
             # The request's pages and its ledger no longer agree for a reason already reported.
             self.ledger.tainted.add(slot)

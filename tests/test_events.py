@@ -109,6 +109,32 @@ def test_bus_none_or_true_is_accepted(answer):
     assert bus.errors == {}
 
 
+def test_bus_loss_counters_add_to_drop_counts():
+    bus = EventBus()
+
+    def refuse(batch):
+        return False
+
+    refuse.name = "otel"
+    bus.subscribe(refuse)
+    bus.deliver([_ev(1), _ev(2)])
+    lost = [5]
+    bus.add_loss_counter("otel", lambda: lost[0])
+    bus.add_loss_counter("otel", lambda: 3)
+    bus.add_loss_counter("elsewhere", lambda: 1)
+
+    def broken():
+        raise RuntimeError("gone")
+
+    bus.add_loss_counter("elsewhere", broken)  # counts 0, never breaks the others
+    assert bus.drop_counts() == {"otel": 2 + 5 + 3, "elsewhere": 1}
+    lost[0] = 7
+    assert bus.drop_counts() == {"otel": 12, "elsewhere": 1}
+    assert bus.dropped == {"otel": 2}  # the bus's own count is unchanged
+    with pytest.raises(TypeError):
+        bus.add_loss_counter("x", 3)
+
+
 def test_bus_empty_batch_not_delivered():
     calls = []
     bus = EventBus([calls.append])

@@ -45,9 +45,11 @@ writer's connection (captured through the ``exporters.recorder._open_writer`` se
 mid-run, after which every write fails with SQLite's "attempt to write a readonly database".
 
 OTel: the exporter's sink never refuses (it only builds spans in memory), so a failing collector drops nothing on the
-bus: ``kvalloc_events_dropped_total{sink="otel"}`` stays 0. The spans are lost at export, in the SDK's batch
-processor, which logs one error per failed export request (a batch of up to ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
-spans), never one per span; the tests arrange exactly one failed request and assert exactly one line.
+bus (``alloc.bus.dropped["otel"]`` stays 0). The spans are lost at export, in the SDK's batch processor, which logs
+one error per failed export request (a batch of up to ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` spans), never one per span;
+the exporter's ``CountingSpanExporter`` counts every span of a failed export, and
+``kvalloc_events_dropped_total{sink="otel"}`` reports them (``bus.drop_counts()``). The tests arrange exactly one
+failed request and assert exactly one line, and exactly its spans counted.
 """
 
 from __future__ import annotations
@@ -221,7 +223,10 @@ def test_otlp_collector_fails_then_recovers(otel_env, caplog, fault):
         assert len(records(caplog, "opentelemetry")) == 1  # no retry warnings either
         h.check_unaffected()
         assert exp.errors == 0
-        assert h.dropped("otel") == 0 and h.dropped("prometheus") == 0  # the loss is at export, not on the bus
+        # The loss is at export, not on the bus: every span of the failed request is counted, as the registry shows.
+        assert len(outage) == 5 * REQS_PER_ROUND == 20
+        assert h.w.bus.dropped["otel"] == 0 and exp.spans_dropped == len(outage)
+        assert h.dropped("otel") == len(outage) and h.dropped("prometheus") == 0
 
         # The collector comes back: on the same port (down), or answering 200 again.
         if rx is None:
@@ -238,6 +243,8 @@ def test_otlp_collector_fails_then_recovers(otel_env, caplog, fault):
         for _, attrs in got.values():
             assert attrs["kv.decode_steps"] == DECODES_PER_ROUND and attrs["kv.violations"] == 0
         assert len(records(caplog, "opentelemetry")) == 1  # recovery logs nothing
+        # The count stopped growing: the spans after recovery arrived, none of them is counted as lost.
+        assert exp.spans_dropped == len(outage) and h.dropped("otel") == len(outage)
         assert records(caplog, "exporters") == [] and records(caplog, "instrumented_alloc") == []
         h.check_unaffected()
     finally:

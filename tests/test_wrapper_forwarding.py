@@ -342,7 +342,7 @@ def test_release_unknown_rid(mode):
         w.release_request("ghost")
     assert str(info.value) == "rid: unknown request id 'ghost'"
     (v,) = w.violations
-    assert (v.invariant, v.op, v.rid) == ("invalid_argument", "release_request", None)
+    assert (v.invariant, v.op, v.rid) == ("invalid_argument", "release_request", "ghost")  # the id it names
     assert v.message == "release_request: rid: unknown request id 'ghost'"
     # Released once is unknown afterwards.
     with w.batch(["a"]):

@@ -41,3 +41,40 @@ def test_overview(rec):
     assert (ov.first, ov.last, ov.finished) == (0, *rec.steps()[1:], True)
     assert ov.events == rec.event_count() and ov.violations == len(rec.violations())
     assert [p["name"] for p in ov.pools] == ["full", "swa"]
+
+
+def test_a_hashed_recording_reads_the_same(tmp_path):
+    """A recording with hashed request ids (the same run recorded twice, raw and hashed): the dashboard's data and
+    views are the raw one's with every id as its pseudonym."""
+    from instrumented_alloc.redact import RequestIdHasher
+    from tests.dashboard.scenario import record
+
+    h = RequestIdHasher(b"dashboard-test-key")
+    faults = [("swa-misaligned", 20), ("double-free", 35), ("leak", 50)]
+    raw_faults = record(tmp_path / "raw.sqlite", 80, faults)
+    assert record(tmp_path / "hashed.sqlite", 80, faults, hash_request_ids=h) == raw_faults
+    assert [f[0] for f in raw_faults] == ["swa-misaligned", "double-free", "leak"]
+    with Recording(tmp_path / "raw.sqlite") as r, Recording(tmp_path / "hashed.sqlite") as hr:
+        ov, hov = data.overview(r), data.overview(hr)
+        assert (ov.first, ov.last, ov.pools, ov.events, ov.violations, ov.finished) == (
+            hov.first, hov.last, hov.pools, hov.events, hov.violations, hov.finished
+        )
+        every = list(hr.events(kinds=data.LIFELINE_KINDS))
+        for _, step, rid in raw_faults:
+            events, start, lo, hi = data.request_history(r, rid, 0)
+            hevents, hstart, hlo, hhi = data.request_history(hr, h(rid), 0)
+            assert (hstart, hlo, hhi) == (start, lo, hi) and lo <= step <= hi
+            life = views.lifeline(rid, events, start_ledger=start)
+            hlife = views.lifeline(h(rid), hevents, start_ledger=hstart)
+            assert hlife == views.lifeline(h(rid), every)
+            assert hlife["rows"] and len(hlife["rows"]) == len(life["rows"])
+            assert repr(hlife) == repr(life).replace(repr(rid), repr(h(rid))).replace(rid, h(rid))
+        step = raw_faults[-1][1]
+        state, hstate = data.state_end_of(r, step), data.state_end_of(hr, step)
+        assert hstate.ledger == {h(k): v for k, v in state.ledger.items()}
+        raw_violations = r.violations()
+        assert views.violation_rows(hr.violations(), newest_first=False) == [
+            {**row, "request": "" if v.rid is None else h(v.rid), "message": h.message(v.message, v.rid)}
+            for row, v in zip(views.violation_rows(raw_violations, newest_first=False), raw_violations)
+        ]
+        assert any(v.rid is not None and repr(v.rid) in v.message for v in raw_violations)  # some message names one

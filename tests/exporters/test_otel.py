@@ -26,7 +26,7 @@ from instrumented_alloc.allocators import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from instrumented_alloc.events import ViolationEvent
+from instrumented_alloc.events import RequestReleased, ViolationEvent
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
 from tests.engine_model import Req, allocator_state, decode_args, extend_args, split_extend, t
 from tests.otlp_receiver import Receiver
@@ -523,3 +523,187 @@ def test_collector_down_or_slow_never_blocks_the_allocator(otel_env, caplog, col
         gc.enable()
         if rx is not None:
             rx.close()
+
+
+# -- hashed request ids ------------------------------------------------------------------------------------------
+HASH_KEY = b"otel-test-key"
+
+
+def _pseudonym(rid) -> str:
+    """Computed here independently of instrumented_alloc.redact: HMAC-SHA256 of the id's text, 16 hex digits."""
+    import hashlib
+    import hmac
+
+    return "h:" + hmac.new(HASH_KEY, str(rid).encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def _all_span_text(spans) -> str:
+    parts = []
+    for s in spans:
+        parts += [s.name, repr(dict(s.attributes)), str(s.status.description)]
+        parts += [repr((e.name, dict(e.attributes))) for e in s.events]
+    return "\n".join(parts)
+
+
+def test_hashed_request_ids_in_spans(memory):
+    """str and int ids: kv.request.id, violation messages (on the request span, on a violation span of its own) and
+    status descriptions carry the pseudonym; trace_id_for still takes the raw id."""
+    from instrumented_alloc.redact import RequestIdHasher
+
+    provider, mem = memory
+    w = paged(64)
+    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=RequestIdHasher(HASH_KEY))
+    ok, leaky, num = Req("secret-ok-0001"), Req("secret-leaky-0002"), Req(123456789)
+    extend(w, [ok, leaky, num], [5, 6, 3])
+    decode(w, [ok, leaky, num])
+    trace_ok = exp.trace_id_for("secret-ok-0001")  # the raw id: what the wrapper and the exemplars ask with
+    assert trace_ok is not None and exp.trace_id_for(_pseudonym("secret-ok-0001")) is None
+    w.free(t(ok.row))
+    w.release_request(ok.rid)
+    w.release_request(leaky.rid)  # still owns two pages: request_leak, on its span
+    w.free(t(num.row))
+    w.release_request(num.rid)
+    with pytest.raises(ValueError):
+        w.release_request("secret-ghost-0003")  # unknown: a kv.violation span of its own
+    assert [(v.invariant, v.rid) for v in w.violations] == [
+        ("request_leak", "secret-leaky-0002"),
+        ("invalid_argument", "secret-ghost-0003"),
+    ]
+    assert w.violations[0].trace_id == exp.trace_id_for("secret-leaky-0002") is not None
+
+    spans = request_spans(mem)
+    assert sorted(spans) == sorted(_pseudonym(r) for r in ("secret-ok-0001", "secret-leaky-0002", "123456789"))
+    assert hex_id(spans[_pseudonym("secret-ok-0001")]) == trace_ok
+    p_leaky = _pseudonym("secret-leaky-0002")
+    leak_span = spans[p_leaky]
+    leak_msg = f"request {p_leaky!r} released while still owning 2 pages (full: 2)"
+    assert leak_span.status.status_code == StatusCode.ERROR
+    assert leak_span.status.description == f"request_leak: {leak_msg}"
+    assert events(leak_span, "kv.violation") == [
+        (
+            "kv.violation",
+            {
+                "kv.violation.invariant": "request_leak",
+                "kv.violation.message": leak_msg,
+                "kv.violation.severity": "error",
+                "kv.violation.op": "release",
+                "kv.step": 0,
+                "kv.violation.pool": "full",
+            },
+        )
+    ]
+    (ghost,) = [s for s in mem.get_finished_spans() if s.name == "kv.violation"]
+    ghost_msg = f"release_request: rid: unknown request id {_pseudonym('secret-ghost-0003')!r}"
+    assert dict(ghost.attributes) == {
+        "kv.violation.invariant": "invalid_argument",
+        "kv.violation.message": ghost_msg,
+        "kv.violation.severity": "error",
+        "kv.violation.op": "release_request",
+        "kv.step": 0,
+        "kv.request.id": _pseudonym("secret-ghost-0003"),
+    }
+    assert ghost.status.description == f"invalid_argument: {ghost_msg}"
+    text = _all_span_text(mem.get_finished_spans())
+    for raw in ("secret-ok-0001", "secret-leaky-0002", "secret-ghost-0003", "123456789", "secret"):
+        assert raw not in text, raw
+    exp.shutdown()
+
+
+def test_recorder_and_spans_agree_on_pseudonyms(memory, tmp_path):
+    """One hasher shared by the recorder and the OTel exporter: a recording and the spans join on the pseudonym."""
+    from exporters.recorder import FlightRecorder, Recording
+    from instrumented_alloc.redact import RequestIdHasher
+
+    provider, mem = memory
+    h = RequestIdHasher(HASH_KEY)
+    w = paged(64)
+    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=h)
+    rec = FlightRecorder(w, tmp_path / "r.db", hash_request_ids=h)
+    reqs = [Req("alpha-request"), Req(42)]
+    extend(w, reqs, [5, 9])
+    decode(w, reqs)
+    w.step()
+    for r in reqs:
+        w.free(t(r.row))
+        w.release_request(r.rid)
+    w.step()
+    rec.close()
+    exp.shutdown()
+    with Recording(tmp_path / "r.db") as r:
+        released = [e.rid for e in r.events(kinds=[RequestReleased])]
+    assert released == [_pseudonym("alpha-request"), _pseudonym(42)]
+    assert sorted(request_spans(mem)) == sorted(released)
+
+
+# -- spans lost at export ------------------------------------------------------------------------------------------
+def _finish_requests(w, names) -> None:
+    reqs = [Req(n) for n in names]
+    extend(w, reqs, [5] * len(reqs))
+    for r in reqs:
+        w.free(t(r.row))
+        w.release_request(r.rid)
+
+
+def test_counting_exporter_with_your_own_provider():
+    """A provider passed in, its exporter wrapped in CountingSpanExporter and passed as counting_exporter=: spans of
+    failed exports are counted and reported under kvalloc_events_dropped_total{sink="otel"}."""
+    from exporters.otel import CountingSpanExporter
+    from exporters.prometheus import PrometheusExporter
+
+    mem = InMemorySpanExporter()
+    counting = CountingSpanExporter(mem)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(counting))
+    w = paged(64)
+    prom = PrometheusExporter(w, multiprocess=False)
+    exp = OtelExporter(w, tracer_provider=provider, counting_exporter=counting)
+
+    def sample():
+        return prom.registry.get_sample_value("kvalloc_events_dropped_total", {"sink": "otel"})
+
+    _finish_requests(w, ["a", "b", "c"])
+    assert (counting.exported, counting.dropped, counting.failed_exports) == (3, 0, 0)
+    assert exp.spans_dropped == 0 and sample() == 0.0
+    mem.shutdown()  # from now on every export returns FAILURE
+    _finish_requests(w, ["d", "e"])
+    assert (counting.exported, counting.dropped, counting.failed_exports) == (3, 2, 2)
+    assert exp.spans_dropped == 2 and sample() == 2.0 and w.bus.dropped["otel"] == 0
+    assert w.bus.drop_counts()["otel"] == 2
+    exp.shutdown()
+    assert sample() == 2.0  # the total outlives the exporter
+    prom.close()
+    provider.shutdown()
+
+
+def test_counting_exporter_counts_an_export_that_raises():
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from exporters.otel import CountingSpanExporter
+
+    class Raising(SpanExporter):
+        def export(self, spans):
+            raise ConnectionError("collector gone")
+
+    class Succeeding(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    c = CountingSpanExporter(Raising())
+    with pytest.raises(ConnectionError):
+        c.export([object(), object(), object()])
+    assert (c.exported, c.dropped, c.failed_exports) == (0, 3, 1)
+    ok = CountingSpanExporter(Succeeding())
+    assert ok.export([object()] * 4) is SpanExportResult.SUCCESS
+    assert (ok.exported, ok.dropped, ok.failed_exports) == (4, 0, 0)
+    with pytest.raises(TypeError):
+        CountingSpanExporter(object())
+
+
+def test_counting_exporter_argument_checks(memory):
+    from exporters.otel import CountingSpanExporter
+
+    provider, _ = memory
+    with pytest.raises(ValueError, match="counting_exporter"):
+        OtelExporter(paged(64), counting_exporter=CountingSpanExporter(InMemorySpanExporter()))
+    with pytest.raises(TypeError, match="counting_exporter"):
+        OtelExporter(paged(64), tracer_provider=provider, counting_exporter=InMemorySpanExporter())

@@ -668,3 +668,150 @@ def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
                 continue
             assert_state_equals(state, s, step)
         assert missing and missing == list(range(missing[0], resync[0]))  # the steps whose boundaries were dropped
+
+
+# -- hashed request ids --------------------------------------------------------------------------------------------
+HASH_KEY = b"recorder-test-key"
+
+
+def _pseudonym(rid) -> str:
+    """Computed here independently of instrumented_alloc.redact: HMAC-SHA256 of the id's text, 16 hex digits."""
+    import hashlib
+    import hmac
+
+    return "h:" + hmac.new(HASH_KEY, str(rid).encode(), hashlib.sha256).hexdigest()[:16]
+
+
+class _IdEngine(Engine):
+    """An Engine whose request ids are long and distinctive (a scan of the file cannot meet one by chance)."""
+
+    def __init__(self, make_rid, *args):
+        super().__init__(*args)
+        self._make_rid = make_rid
+
+    def new_rid(self):
+        self.n += 1
+        return self._make_rid(self.n)
+
+
+def _texts_of_recording(path) -> list:
+    """Every text the file holds: every text and blob column of every table, blobs decoded (event payloads
+    through ``decode_event``, snapshot ledgers and owners unpacked), and the raw bytes of the file itself."""
+    out: list = []
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        assert set(tables) >= {"meta", "events", "violations", "snapshots"}
+        for table in tables:
+            cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+            for row in conn.execute(f"SELECT * FROM {table}"):
+                row = dict(zip(cols, row))
+                for name, v in row.items():
+                    if isinstance(v, (str, int)):
+                        out.append(str(v))
+                    elif isinstance(v, bytes):
+                        out.append(v.decode("latin-1"))
+                        if table == "events" and name == "payload":
+                            e = decode_event(row["kind"], row["seq"], row["step"], row["ts"], v)
+                            out.append(repr(e))
+                        elif table == "snapshots" and name == "ledger":
+                            out.append(json.dumps(recorder_mod._unpack(v)))
+                        elif table == "snapshots" and name == "owner":
+                            out.append(repr(recorder_mod._decode_owner(v).tolist()))
+    finally:
+        conn.close()
+    out.append(Path(path).read_bytes().decode("latin-1"))
+    return out
+
+
+def _needles(rid) -> list:
+    """How a raw request id could appear: its text, and for an int also SQLite's big-endian integer encoding."""
+    if isinstance(rid, int):
+        return [str(rid), rid.to_bytes(6, "big").decode("latin-1"), rid.to_bytes(8, "big").decode("latin-1")]
+    return [rid]
+
+
+def _assert_events_mapped(raw_events, hashed_events, h) -> None:
+    assert len(raw_events) == len(hashed_events) > 0
+    for a, b in zip(raw_events, hashed_events):
+        assert type(a) is type(b) and a.seq == b.seq
+        want = h.event_fields(a.__dict__)
+        for f in a.__dataclass_fields__:
+            x, y = want[f], getattr(b, f)
+            if isinstance(x, np.ndarray):
+                assert x.dtype == y.dtype and (x == y).all(), (type(a).__name__, f)
+            else:
+                assert x == y, (type(a).__name__, f, x, y)
+
+
+@pytest.mark.parametrize(
+    "make_rid",
+    [lambda n: f"secret-request-{n:05d}", lambda n: 98_765_430_000 + n],
+    ids=["str", "int"],
+)
+def test_hashed_request_ids(tmp_path, make_rid):
+    from instrumented_alloc.redact import RequestIdHasher
+
+    h = RequestIdHasher(HASH_KEY)
+    e = _IdEngine(make_rid, "swa-4", False, "immediate")
+    raw_path, hashed_path = tmp_path / "raw.db", tmp_path / "hashed.db"
+    raw = FlightRecorder(e.w, raw_path, snapshot_every=5, flush_interval=0.05)
+    hashed = FlightRecorder(e.w, hashed_path, snapshot_every=5, flush_interval=0.05, hash_request_ids=h)
+    start = e.w.step_count
+    drive(e, RandomPick(11), 120)
+    # Violations naming a request: a rejected ledger write, a leak at release, an unknown id given to release.
+    victim = next(r for r in e.reqs.values() if r.row)
+    e.w.ledger[victim.rid].kv_allocated_len = e.w.ledger[victim.rid].kv_allocated_len + 1
+    leaker = next(r for r in e.reqs.values() if r.row and r is not victim)
+    e.w.release_request(leaker.rid)
+    del e.reqs[leaker.rid]
+    ghost = make_rid(99_999)
+    with pytest.raises(ValueError):
+        e.w.release_request(ghost)
+    e.w.step()
+    end = e.w.step_count
+    raw.close()
+    hashed.close()
+    assert e.w.bus.dropped["recorder"] == 0 and raw.failed is None and hashed.failed is None
+    rids = {make_rid(n) for n in range(1, e.n + 1)} | {ghost}
+
+    with Recording(raw_path) as r, Recording(hashed_path) as hr:
+        # The metadata says how ids are stored (never the key).
+        assert r.meta["request_ids"] == {"scheme": "raw"}
+        assert hr.meta["request_ids"] == {
+            "scheme": "hmac-sha256",
+            "prefix": "h:",
+            "hex_digits": 16,
+            "text": "str; int as decimal; else repr",
+        }
+        # Violations: rid and message redacted, everything else identical.
+        rv, hv = r.violations(), hr.violations()
+        assert [v.invariant for v in rv] == ["kv_allocated_len_page_aligned", "request_leak", "invalid_argument"]
+        assert [v.rid for v in rv] == [victim.rid, leaker.rid, ghost]
+        assert hv == [
+            Violation(**{**v.__dict__, "rid": _pseudonym(v.rid), "message": h.message(v.message, v.rid)}) for v in rv
+        ]
+        held = rv[1].message.split("owning ")[1]
+        assert hv[1].message == f"request {_pseudonym(leaker.rid)!r} released while still owning {held}"
+        assert hv[2].message == f"release_request: rid: unknown request id {_pseudonym(ghost)!r}"
+        assert hv[0].message == rv[0].message  # no id in it: untouched
+        # Every event: the same, with each request id as its pseudonym.
+        _assert_events_mapped(list(r.events()), list(hr.events()), h)
+        # Replay: the state at every step equals the raw recording's with ids mapped.
+        assert r.steps() == hr.steps() == (start, end)
+        assert r.snapshot_steps() == hr.snapshot_steps()
+        for step in range(start, end + 1):
+            a, b = r.state_at(step), hr.state_at(step)
+            assert (a.step, a.seq) == (b.step, b.seq)
+            assert {k: v.tolist() for k, v in a.owners.items()} == {k: v.tolist() for k, v in b.owners.items()}
+            assert b.ledger == {_pseudonym(k): v for k, v in a.ledger.items()}
+            assert b.slot_rids == {s: _pseudonym(k) for s, k in a.slot_rids.items()}
+        assert hr.request_span(_pseudonym(victim.rid)) == r.request_span(victim.rid) is not None
+
+    # No raw id anywhere in the hashed file; the raw file, scanned the same way, has them all (the scan works).
+    hashed_texts, raw_texts = _texts_of_recording(hashed_path), _texts_of_recording(raw_path)
+    for rid in rids:
+        assert not any(n in text for n in _needles(rid) for text in hashed_texts), rid
+        assert any(str(rid) in text for text in raw_texts), rid
+    assert any(_pseudonym(victim.rid) in text for text in hashed_texts)
+    assert not any(HASH_KEY.decode() in text for text in hashed_texts)
