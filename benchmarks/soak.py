@@ -160,8 +160,8 @@ def soak(
         th.join(timeout=30)
         rec.close()
         otel.shutdown()
-        dropped = {name: int(v) for name, v in eng.alloc.bus.dropped.items()} if hasattr(eng.alloc.bus, "dropped") \
-            else {}
+        # drop_counts: what the bus refused plus what a sink lost after taking it (spans of failed exports)
+        dropped = {name: int(v) for name, v in eng.alloc.bus.drop_counts().items()}
         prom.close()
     seconds = time.perf_counter() - t0
     full, swa = eng.free_pages()
