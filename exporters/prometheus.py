@@ -18,16 +18,14 @@ What is computed when
 - Single-process mode queues on the engine thread and aggregates in bulk: the sink appends the batch to a queue
   (the wrapper never touches a batch again once delivered) and nothing else, until ``FOLD_EVERY`` batches wait;
   then, or when any of those metrics is collected (a scrape, ``generate_latest``, ``get_sample_value``, a
-  restricted registry), or at ``close()``, or at once for a batch holding a violation or an allocation failure
-  (rare; a violation's exemplar is then timestamped when it happened), the queue is folded -- page counts and
-  histogram observations (bucket index by ``bisect``, plus the sum) into plain dictionaries, violations (with
-  their exemplar) and allocation failures straight into their counters -- under a lock held only for that, and a
-  collection then moves the dictionaries into the prometheus_client children. Values read through the registry
-  are therefore exact at every collection; the children's own values lag until then. A batch the fold fails on
-  is counted in ``alloc.bus.dropped["prometheus"]`` (as the bus counts a refused batch) and in
-  ``sink_errors``/``last_error``. Multiprocess mode handles each batch in the sink and updates the children at
-  once (their values live in files other processes read); a batch it fails on is refused (returns False), so the
-  bus counts it.
+  restricted registry), or at ``close()``, the queue is folded -- page counts and histogram observations (bucket
+  index by ``bisect``, plus the sum) into plain dictionaries, violations (with their exemplar) and allocation
+  failures straight into their counters -- under a lock held only for that, and a collection then moves the
+  dictionaries into the prometheus_client children. Values read through the registry are therefore exact at
+  every collection; the children's own values lag until then. A batch the fold fails on is counted in
+  ``alloc.bus.dropped["prometheus"]`` (as the bus counts a refused batch) and in ``sink_errors``/``last_error``.
+  Multiprocess mode handles each batch in the sink and updates the children at once (their values live in files
+  other processes read); a batch it fails on is refused (returns False), so the bus counts it.
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
 - Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
   collector over ``alloc.snapshot(wait=False)`` (never waits for deferred device checks) and ``stats.figures``
@@ -138,7 +136,6 @@ _SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
 _MAX_EXEMPLAR_RUNES = 128
 # Single-process mode: batches the sink queues before the engine thread folds them itself (a scrape folds sooner).
 FOLD_EVERY = 1024
-_AT_ONCE = frozenset({ev.ViolationEvent, ev.AllocFailed})  # folded as soon as the sink takes them
 
 
 def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
@@ -187,9 +184,7 @@ class _Sink:
 class _QueueSink(_Sink):
     """Single-process mode's sink: it only queues the batch (the wrapper hands each batch over and never touches
     it again); the exporter folds the queue into its pending aggregates at collection time, at ``close()``, and on
-    the engine thread itself once ``FOLD_EVERY`` batches wait (which bounds the queue), or at once when the batch
-    holds a violation or an allocation failure (rare: their counters move at once, and a violation's exemplar
-    is timestamped when it happened, not at the next scrape)."""
+    the engine thread itself once ``FOLD_EVERY`` batches wait (which bounds the queue)."""
 
     def __init__(self, exporter: PrometheusExporter):
         super().__init__(exporter)
@@ -198,9 +193,7 @@ class _QueueSink(_Sink):
 
     def __call__(self, batch) -> None:
         self._append(batch)
-        if not _AT_ONCE.isdisjoint(map(type, batch)):
-            self._exporter._fold()
-        elif len(self._queue) >= FOLD_EVERY:
+        if len(self._queue) >= FOLD_EVERY:
             self._exporter._fold(wait=False)  # a fold running on another thread takes our batches too
 
 

@@ -155,8 +155,8 @@ def test_values_after_scripted_scenario(run):
 
 
 def test_sink_queue_is_bounded_and_exact_at_every_collection(monkeypatch):
-    """Single-process mode: the sink only queues batches; the engine thread folds them once FOLD_EVERY wait (or at
-    once for a violation), a collection folds the rest first, so the registry's values are exact whenever read."""
+    """Single-process mode: the sink only queues batches; the engine thread folds them once FOLD_EVERY wait, a
+    collection folds the rest first, so the registry's values are exact whenever they are read."""
     monkeypatch.setattr(prometheus, "FOLD_EVERY", 8)
     w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64 * PS, PS, torch.float16, "cpu"), mode="record")
     exp = PrometheusExporter(w, multiprocess=False)
@@ -177,11 +177,7 @@ def test_sink_queue_is_bounded_and_exact_at_every_collection(monkeypatch):
         assert reg.get_sample_value("kvalloc_op_duration_seconds_count", {"op": "alloc_extend"}) == 10
         assert reg.get_sample_value("kvalloc_op_duration_seconds_count", {"op": "free"}) == 10
         assert len(exp._queue) == 0
-        extend(w, [Req("x")], [6])
-        assert len(exp._queue) == 1
-        w.free(t([12 * PS]))  # a page never handed out: a violation's batch is folded at once, with what waited
-        assert len(exp._queue) == 0
-        assert reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "full"}) == 22
+        w.free(t([12 * PS]))  # a page never handed out: the violation counter is exact at once too
         assert reg.get_sample_value("kvalloc_invariant_violations_total", {"invariant": "free_unallocated"}) == 1
         assert w.bus.dropped["prometheus"] == 0 and exp.sink_errors == 0
     finally:
