@@ -13,19 +13,18 @@ metrics (idempotent; also a context manager).
 What is computed when
 - Counters and histograms (violations, alloc failures, pages allocated/freed, SWA-evicted tokens, op durations,
   peak pages per request) come from the wrapper's events, through the sink. The sink runs on the engine thread
-  (the allocator caller's thread, inside the wrapper's lock), does no I/O and no snapshot (single-process mode),
-  and never raises into the wrapper.
-- Single-process mode queues on the engine thread and aggregates in bulk: the sink appends the batch to a queue
-  (the wrapper never touches a batch again once delivered) and nothing else, until ``FOLD_EVERY`` batches wait;
-  then, or when any of those metrics is collected (a scrape, ``generate_latest``, ``get_sample_value``, a
-  restricted registry), or at ``close()``, the queue is folded -- page counts and histogram observations (bucket
-  index by ``bisect``, plus the sum) into plain dictionaries, violations (with their exemplar) and allocation
-  failures straight into their counters -- under a lock held only for that, and a collection then moves the
-  dictionaries into the prometheus_client children. Values read through the registry are therefore exact at
-  every collection; the children's own values lag until then. A batch the fold fails on is counted in
-  ``alloc.bus.dropped["prometheus"]`` (as the bus counts a refused batch) and in ``sink_errors``/``last_error``.
-  Multiprocess mode handles each batch in the sink and updates the children at once (their values live in files
-  other processes read); a batch it fails on is refused (returns False), so the bus counts it.
+  (the allocator caller's thread, inside the wrapper's lock): it does a few dictionary look-ups and
+  ``inc``/``observe`` calls per event, no I/O, no snapshot (single-process mode), and never raises: a failure is
+  caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
+  counts it in ``alloc.bus.dropped["prometheus"]``.
+- Single-process mode aggregates on the engine thread and publishes at scrape time: the sink adds page counts and
+  histogram observations (bucket index by ``bisect``, plus the sum) into plain dictionaries under a lock that is
+  only ever held for dictionary updates, and collecting any of those metrics (a scrape, ``generate_latest``,
+  ``get_sample_value``, a restricted registry) first moves them into the prometheus_client children; so does
+  ``close()``. Values read through the registry are therefore exact at every
+  collection; the children's own values lag until then. Violations and allocation failures (rare, and the
+  violation carries an exemplar) update their counters at once. Multiprocess mode updates the children at once
+  (their values live in files other processes read).
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.dropped`` (every sink: this one, the recorder, ...).
 - Single-process mode (the default): the gauges and the dropped counter are computed at SCRAPE time by a custom
   collector over ``alloc.snapshot(wait=False)`` (never waits for deferred device checks) and ``stats.figures``
@@ -53,7 +52,6 @@ Labels are bounded: pool, state, invariant, op, sink, plus the caller's const la
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import errno
 import logging
@@ -133,9 +131,7 @@ _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
 # Free ops that touch only the SWA pool; every other free emits a "full" event, which carries the call's duration.
 _SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
-_MAX_EXEMPLAR_RUNES = 128
-# Single-process mode: batches the sink queues before the engine thread folds them itself (a scrape folds sooner).
-FOLD_EVERY = 1024
+_MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
 
 
 def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
@@ -181,22 +177,6 @@ class _Sink:
         return self._exporter._on_batch(batch)
 
 
-class _QueueSink(_Sink):
-    """Single-process mode's sink: it only queues the batch (the wrapper hands each batch over and never touches
-    it again); the exporter folds the queue into its pending aggregates at collection time, at ``close()``, and on
-    the engine thread itself once ``FOLD_EVERY`` batches wait (which bounds the queue)."""
-
-    def __init__(self, exporter: PrometheusExporter):
-        super().__init__(exporter)
-        self._queue = exporter._queue
-        self._append = exporter._queue.append
-
-    def __call__(self, batch) -> None:
-        self._append(batch)
-        if len(self._queue) >= FOLD_EVERY:
-            self._exporter._fold(wait=False)  # a fold running on another thread takes our batches too
-
-
 class _GaugeCollector:
     """Single-process mode: the gauges and the dropped counter, computed from ``alloc.snapshot()`` per scrape."""
 
@@ -211,10 +191,6 @@ class _GaugeCollector:
 
     def collect(self):
         x = self._x
-        try:
-            x._fold()  # a batch the fold fails on counts as dropped: the dropped counter below must see it
-        except Exception as exc:
-            x._collect_failed(exc)
         try:
             fams = x._gauge_families(stats.figures(x._alloc.snapshot(wait=False)))
         except Exception as exc:  # a scrape must never take the engine (or the HTTP server) down
@@ -280,22 +256,13 @@ class PrometheusExporter:
         self._last_refresh = self._clock()
         # Single process: counters and histograms are aggregated by the sink and published at collection time.
         self._pend_lock = threading.Lock()
-        self._pend_inc: dict = {}  # counter child -> [amount] not yet published
+        self._pend_inc: dict = {}  # counter child -> amount not yet published
         self._pend_obs: dict = {}  # histogram child -> [sum, count per bucket...] not yet published
-        self._queue: collections.deque = collections.deque()  # batches the sink took, not yet folded
         self._aggregate = not self.multiprocess
         try:
             self._build_event_metrics()
             if self._aggregate:
-                for m in (
-                    self._violations,
-                    self._failures,
-                    self._allocated,
-                    self._freed,
-                    self._evicted,
-                    self._op_duration,
-                    self._request_pages,
-                ):
+                for m in (self._allocated, self._freed, self._evicted, self._op_duration, self._request_pages):
                     m.collect = self._flushing_collect(m.collect)
             if self.multiprocess:
                 self._build_mp_gauges()
@@ -308,6 +275,7 @@ class PrometheusExporter:
             self._unregister()  # e.g. a name clash in a shared registry: leave it as it was
             raise
 
+        self.sink = _Sink(self)
         self._handlers = {
             ev.Alloc: self._on_alloc,
             ev.AllocFailed: self._on_alloc_failed,
@@ -321,7 +289,6 @@ class PrometheusExporter:
             probe = self._child(self._request_pages, "full")
             if not all(hasattr(probe, a) for a in ("_buckets", "_sum", "_upper_bounds")):
                 self._aggregate = False  # a prometheus_client without these internals: publish at once
-        self.sink = _QueueSink(self) if self._aggregate else _Sink(self)
         alloc.subscribe(self.sink)
 
     # -- metric construction --------------------------------------------------------------------------------------
@@ -386,7 +353,8 @@ class PrometheusExporter:
 
     # -- the sink (engine thread) ------------------------------------------------------------------------------
     def _on_batch(self, batch) -> bool | None:
-        """Multiprocess mode's sink (single-process mode queues, see ``_QueueSink``): update the children now."""
+        if self._aggregate:
+            return self._aggregate_batch(batch)
         try:
             handlers = self._handlers
             for e in batch:
@@ -399,84 +367,49 @@ class PrometheusExporter:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
 
-    def _fold(self, wait: bool = True) -> None:
-        """Single-process mode: fold the queued batches into the pending aggregates, keyed by the metric child
-        they will be published to (see the module docstring). Any thread (the engine's when the queue is long, a
-        scrape's, ``close()``); with ``wait=False`` (the engine thread) it returns at once when another thread is
-        folding. A batch it fails on is counted as this sink's dropped events, as the bus counts a refused one
-        (the bus never refuses for us: this sink only queues, so only we write our entry)."""
-        if not self._pend_lock.acquire(blocking=wait):
-            return
+    def _aggregate_batch(self, batch) -> bool | None:
+        """Single-process sink: page counts and observations into the pending dictionaries, keyed by the metric
+        child they will be published to (see the module docstring)."""
         try:
-            queue = self._queue
-            slots: dict = {}  # (event type, pool, op) -> its pending aggregates, for this fold
-            while queue:
-                batch = queue.popleft()
-                try:
-                    self._aggregate_batch(batch, slots)
-                except Exception as exc:  # never reach the allocator's caller nor a scrape
-                    self.sink_errors += 1
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    dropped = self._alloc.bus.dropped
-                    dropped[SINK_NAME] = dropped.get(SINK_NAME, 0) + len(batch)
-        finally:
-            self._pend_lock.release()
-
-    def _aggregate_batch(self, batch, slots: dict) -> None:
-        """One batch into the pending aggregates (under ``_pend_lock``). Violations and allocation failures go
-        straight into their counters (rare; a violation carries its exemplar)."""
-        bisect_left = bisect.bisect_left
-        for e in batch:
-            t = type(e)
-            if t is ev.Alloc or t is ev.Free:
-                key = (t, e.pool, e.op)
-                slot = slots.get(key)
-                if slot is None:
-                    slot = slots[key] = self._pending_slot(t, e.pool, e.op)
-                pages, hist, bounds = slot
-                if e.n_pages:
-                    pages[0] += e.n_pages
-                if hist is not None:
-                    d = e.duration
-                    hist[0] += d
-                    hist[1 + bisect_left(bounds, d)] += 1
-            elif t is ev.RequestReleased:
-                c = self._child(self._request_pages, "full")
-                hist = self._pending_histogram(c)
-                hist[0] += e.pages_peak
-                hist[1 + bisect_left(c._upper_bounds, e.pages_peak)] += 1
-            elif t is ev.SwaEvict:
-                n = e.new - e.old
-                if n > 0:
-                    self._pending_count(self._child(self._evicted))[0] += n
-            elif t is ev.ViolationEvent:
-                self._on_violation(e)
-            elif t is ev.AllocFailed:
-                self._on_alloc_failed(e)
-
-    def _pending_slot(self, t: type, pool: str, op: str) -> tuple:
-        """(pending page count, pending duration histogram or None, its bucket bounds) of Alloc/Free events of
-        one pool and op: an allocation or free call emits one event per pool it touched, and the full pool's (or,
-        for an SWA-only free, the SWA pool's) carries the call's duration."""
-        pages = self._pending_count(self._child(self._allocated if t is ev.Alloc else self._freed, pool))
-        if pool == "full" or (t is ev.Free and op in _SWA_ONLY_FREES):
-            c = self._child(self._op_duration, op)
-            return pages, self._pending_histogram(c), c._upper_bounds
-        return pages, None, ()
-
-    def _pending_count(self, c) -> list:
-        """[amount] not yet added to counter child ``c``. Called under ``_pend_lock``."""
-        p = self._pend_inc.get(c)
-        if p is None:
-            p = self._pend_inc[c] = [0]
-        return p
+            child = self._child
+            with self._pend_lock:
+                inc = self._pend_inc
+                obs = self._pend_obs
+                for e in batch:
+                    t = type(e)
+                    if t is ev.Alloc or t is ev.Free:
+                        if e.n_pages:
+                            c = child(self._allocated if t is ev.Alloc else self._freed, e.pool)
+                            inc[c] = inc.get(c, 0) + e.n_pages
+                        if e.pool == "full" or (t is ev.Free and e.op in _SWA_ONLY_FREES):  # one per call
+                            c = child(self._op_duration, e.op)
+                            p = obs.get(c) or self._pending_histogram(c)
+                            p[0] += e.duration
+                            p[1 + bisect.bisect_left(c._upper_bounds, e.duration)] += 1
+                    elif t is ev.RequestReleased:
+                        c = child(self._request_pages, "full")
+                        p = obs.get(c) or self._pending_histogram(c)
+                        p[0] += e.pages_peak
+                        p[1 + bisect.bisect_left(c._upper_bounds, e.pages_peak)] += 1
+                    elif t is ev.SwaEvict:
+                        n = e.new - e.old
+                        if n > 0:
+                            c = child(self._evicted)
+                            inc[c] = inc.get(c, 0) + n
+                    elif t is ev.ViolationEvent:
+                        self._on_violation(e)
+                    elif t is ev.AllocFailed:
+                        self._on_alloc_failed(e)
+            return None
+        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+            self.sink_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
 
     def _pending_histogram(self, c) -> list:
-        """[sum, count per bucket...] of observations for child ``c`` not yet published (observe(): the first
-        bucket whose upper bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
-        p = self._pend_obs.get(c)
-        if p is None:
-            p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
+        """[sum, count per bucket...] of observations for child ``c`` (observe(): the first bucket whose upper
+        bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
+        p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
         return p
 
     def _flushing_collect(self, collect):
@@ -490,14 +423,12 @@ class PrometheusExporter:
         return flush_then_collect
 
     def _flush_pending(self) -> None:
-        """Publish what the sink took (collection time, ``close()``). Any thread."""
-        self._fold()
+        """Publish what the sink aggregated (collection time, ``close()``). Any thread."""
         with self._pend_lock:
             inc, self._pend_inc = self._pend_inc, {}
             obs, self._pend_obs = self._pend_obs, {}
-        for c, (n,) in inc.items():
-            if n:
-                c.inc(n)
+        for c, n in inc.items():
+            c.inc(n)
         for c, p in obs.items():
             c._sum.inc(p[0])
             for b, n in zip(c._buckets, p[1:]):

@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from exporters import prometheus
 from exporters.prometheus import PrometheusExporter
 from instrumented_alloc import INVARIANTS, InstrumentedAllocator, stats
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
@@ -154,36 +153,6 @@ def test_values_after_scripted_scenario(run):
     assert sample(reg, "kvalloc_op_duration_seconds_count", op="free_swa_segment") == 1
 
 
-def test_sink_queue_is_bounded_and_exact_at_every_collection(monkeypatch):
-    """Single-process mode: the sink only queues batches; the engine thread folds them once FOLD_EVERY wait, a
-    collection folds the rest first, so the registry's values are exact whenever they are read."""
-    monkeypatch.setattr(prometheus, "FOLD_EVERY", 8)
-    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64 * PS, PS, torch.float16, "cpu"), mode="record")
-    exp = PrometheusExporter(w, multiprocess=False)
-    try:
-        for i in range(10):  # three batches per round: the extend, the free, the release
-            r = Req(f"r{i}")
-            extend(w, [r], [6])  # 2 pages
-            w.free(t(r.row))
-            w.release_request(r.rid)
-            assert len(exp._queue) < 8
-        reg = exp.registry
-        assert reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "full"}) == 20
-        assert reg.get_sample_value("kvalloc_pages_freed_total", {"pool": "full"}) == 20
-        assert reg.get_sample_value("kvalloc_request_pages_count", {"pool": "full"}) == 10
-        assert reg.get_sample_value("kvalloc_request_pages_sum", {"pool": "full"}) == 20
-        assert reg.get_sample_value("kvalloc_request_pages_bucket", {"pool": "full", "le": "1.0"}) == 0
-        assert reg.get_sample_value("kvalloc_request_pages_bucket", {"pool": "full", "le": "2.0"}) == 10
-        assert reg.get_sample_value("kvalloc_op_duration_seconds_count", {"op": "alloc_extend"}) == 10
-        assert reg.get_sample_value("kvalloc_op_duration_seconds_count", {"op": "free"}) == 10
-        assert len(exp._queue) == 0
-        w.free(t([12 * PS]))  # a page never handed out: the violation counter is exact at once too
-        assert reg.get_sample_value("kvalloc_invariant_violations_total", {"invariant": "free_unallocated"}) == 1
-        assert w.bus.dropped["prometheus"] == 0 and exp.sink_errors == 0
-    finally:
-        exp.close()
-
-
 def test_gauges_are_computed_at_scrape_time_not_per_call():
     w = make_alloc()
     calls = []
@@ -276,7 +245,6 @@ from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 from tests.engine_model import Req, extend_args, split_extend, t
 from tests.prometheus_server import api, need_binary, query, wait_until_up
-from exporters import prometheus
 from exporters.prometheus import PrometheusExporter
 
 rank = int(sys.argv[1])
