@@ -49,7 +49,10 @@ def main(argv=None) -> str:
     section(
         "exporters",
         lambda: bench_exporters.rows(
-            repeats=args.repeats, iterations=10 if args.quick else 20, clock=process_clock
+            repeats=args.repeats,
+            iterations=10 if args.quick else 20,
+            clock=process_clock,
+            demo_steps=1000 if args.quick else 3000,
         ),
     )
     section("stats", lambda: bench_scale.stats_rows(repeats=args.repeats, quick=args.quick, clock=thread_clock))

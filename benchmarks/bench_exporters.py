@@ -1,15 +1,31 @@
-"""The exporters' cost, each measured as a ratio in one process: the same engine-like loop of wrapped
-extend / decode / free calls (with a ``step()`` per iteration) with one exporter attached vs none, interleaved,
-median of the repeats. The exporter's ``close()``/``shutdown()`` is inside the timed region: the recorder's writer
-and the span processor's worker finish the loop's backlog there, so their work is counted, not left behind.
-(Scrapes and statistics at scale: ``bench_scale``.)
+"""The exporters' cost, each measured as a ratio in one process, median of the repeats (a warm-up pair first).
+
+Engine loop rows: the same engine-like loop of wrapped extend / decode / free calls (32 requests of 40 prompt
+tokens, 24 decode steps each, a ``step()`` per decode; the requests are then freed and released one by one) with
+one exporter attached vs none, interleaved. Short-lived requests: what an exporter pays per request (a span, its
+events, a histogram observation) weighs heavily here. The OTel exporter gets a ``BatchSpanProcessor`` with an
+in-memory span exporter (no encoding, no network).
+
+Demo engine rows (prometheus and otel): the demo engine (``instrumented_alloc.sim``, preset swa-128: continuous
+batching, chunked prefill, SWA eviction every 64 tokens; prompts of a median 256 tokens and outputs of a median 128
+decode steps, lognormal, so the batch changes every few steps) run for ``demo_steps`` steps wrapped in record mode,
+without and then with one exporter deployed as the demo deploys it: Prometheus
+served on 127.0.0.1 and scraped over HTTP every second by a thread; OTel exporting OTLP/HTTP (protobuf, the
+exporter's own ``BatchSpanProcessor``) to a receiver in another process. Same seed for both runs of a pair.
+
+In every row the exporter's ``close()``/``shutdown()`` is inside the timed region and the clock is the process's
+(CPU time by default): the recorder's writer, the span processor's worker (OTLP encoding included) and the scrape
+thread finish their backlog there, so their work is counted, not left behind. (Scrapes and statistics at scale:
+``bench_scale``.)
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -104,8 +120,64 @@ def measure_exporter(kind: str, *, iterations: int, repeats: int, clock=time.pro
     return ratios
 
 
-def rows(*, repeats: int, iterations: int, clock) -> list:
-    return [
+DEMO_PRESET = "swa-128"
+
+
+def _deploy(kind: str, alloc, endpoint: str):
+    """Attach ``kind`` to a demo engine's allocator as the demo deploys it; returns the function that stops it."""
+    if kind == "prometheus":
+        from exporters.prometheus import PrometheusExporter
+
+        exp = PrometheusExporter(alloc)
+        port = exp.serve(0)
+        stop = threading.Event()
+
+        def scrape():
+            while not stop.wait(1.0):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                    r.read()
+
+        th = threading.Thread(target=scrape, daemon=True)
+        th.start()
+
+        def close():
+            stop.set()
+            th.join(timeout=10)
+            exp.close()
+
+        return close
+    if kind == "otel":
+        from exporters.otel import OtelExporter
+
+        return OtelExporter(alloc, endpoint=endpoint).shutdown
+    raise ValueError(kind)
+
+
+def measure_demo(kind: str, *, steps: int, repeats: int, endpoint: str, clock=time.process_time) -> list[float]:
+    """Ratios (with ``kind`` / without) of the demo engine's CPU time for ``steps`` steps, wrapped in record mode."""
+    from instrumented_alloc.sim import build_engine
+
+    ratios = []
+    for r, warm_up in enumerate((True, *([False] * repeats))):
+        off = build_engine(DEMO_PRESET, seed=r)
+        t0 = clock()
+        off.run(steps)
+        t_off = clock() - t0
+        on = build_engine(DEMO_PRESET, seed=r)
+        stop = _deploy(kind, on.alloc, endpoint)
+        t0 = clock()
+        on.run(steps)
+        stop()
+        t_on = clock() - t0
+        if not warm_up:
+            ratios.append(t_on / t_off)
+    return ratios
+
+
+def rows(*, repeats: int, iterations: int, clock, demo_steps: int = 3000) -> list:
+    from benchmarks.bench_engine import _ReceiverProcess
+
+    out = [
         (
             f"engine loop with {kind} / without (record mode)",
             measure_exporter(kind, iterations=iterations, repeats=repeats, clock=clock),
@@ -113,6 +185,16 @@ def rows(*, repeats: int, iterations: int, clock) -> list:
         )
         for kind in ("prometheus", "otel", "recorder")
     ]
+    with _ReceiverProcess() as rx:
+        for kind, how in (("prometheus", "scraped every 1 s"), ("otel", "OTLP/HTTP to a receiver process")):
+            out.append(
+                (
+                    f"demo {DEMO_PRESET} {demo_steps} steps with {kind} / without (record mode, {how})",
+                    measure_demo(kind, steps=demo_steps, repeats=repeats, endpoint=rx.endpoint, clock=clock),
+                    "",
+                )
+            )
+    return out
 
 
 def measure_scrape(num_pages: int, repeats: int) -> list[float]:
@@ -152,10 +234,11 @@ def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--demo-steps", type=int, default=3000)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rs = rows(repeats=args.repeats, iterations=args.iterations, clock=CLOCKS[args.clock][1])
+    rs = rows(repeats=args.repeats, iterations=args.iterations, clock=CLOCKS[args.clock][1], demo_steps=args.demo_steps)
     rs.append(("one scrape of 1M pages / one torch.sort of its free list", measure_scrape(1 << 20, args.repeats), ""))
     out = table(rs)
     print(out)
