@@ -37,20 +37,20 @@ Threading and what is dropped when
   starts and ends spans and adds events and attributes: SDK operations in memory. It never raises into the
   wrapper: a batch it fails on is refused (returns False), so the bus counts it in ``alloc.bus.dropped["otel"]``;
   ``errors`` counts them here.
-- Ended spans go to a ``BatchSpanProcessor``: a bounded queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048 spans)
-  whose ``on_end`` is an append, and a background thread that exports in batches (``OTEL_BSP_SCHEDULE_DELAY``,
-  ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``). Nothing on the engine thread waits on the network: when the collector is
-  down or slow, the background thread retries within the exporter timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``)
-  and gives the batch up; when the queue is full, the oldest queued span is dropped (the SDK logs a warning).
-- Spans lost at export are counted: our own provider's exporter is wrapped in ``CountingSpanExporter``, which
-  counts the spans of every export that returned FAILURE or raised (collector down, timing out, answering 500/503,
-  or the exporter already shut down); they are reported under ``kvalloc_events_dropped_total{sink="otel"}``
-  (``alloc.bus.add_loss_counter``) and in ``spans_dropped``. Not counted: spans the batch processor drops when its
-  queue is full (the SDK offers no public hook for that: it logs "Queue full, dropping Span."; with
-  ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` it counts them in its own metric
-  ``otel.sdk.processor.span.processed{error.type="queue_full"}``), and spans still queued when ``shutdown()`` gives
-  up waiting. With your own ``tracer_provider``, wrap your exporter (``CountingSpanExporter(OTLPSpanExporter())``
-  in your ``BatchSpanProcessor``) and pass it as ``counting_exporter=`` to have its losses reported the same way.
+- Ended spans go to a ``CountingBatchSpanProcessor`` (the SDK's ``BatchSpanProcessor`` with exact loss counts): a
+  bounded queue (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048 spans) whose ``on_end`` is a count and an append, and a
+  background thread that exports in batches (``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``).
+  Nothing on the engine thread waits on the network: when the collector is down or slow, the background thread
+  tries within the exporter timeout (``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``) and gives the batch up.
+- Every span lost after it ended is counted, under ``kvalloc_events_dropped_total{sink="otel"}``
+  (``alloc.bus.add_loss_counter``) and in ``spans_dropped``: the spans of every export that returned FAILURE or
+  raised (collector down, timing out, answering 500/503, or the exporter already shut down; counted by the
+  ``CountingSpanExporter`` around the OTLP exporter), the spans refused because the queue was full (the newest
+  span is refused rather than the SDK evicting the oldest uncounted), and, when ``shutdown()``'s wait runs out,
+  what was still queued (the exporter is shut down, so those exports fail at once). With your own
+  ``tracer_provider``, use ``CountingBatchSpanProcessor(your_exporter)`` as its processor (or, for the export
+  failures alone, wrap your exporter in ``CountingSpanExporter``) and pass it as ``counting_exporter=`` to have its
+  losses reported the same way.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from urllib.parse import urlsplit
@@ -88,7 +89,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 from instrumented_alloc import events as ev
 from instrumented_alloc.redact import as_hasher
 
-__all__ = ["DEFAULT_SERVICE_NAME", "CountingSpanExporter", "OtelExporter"]
+__all__ = ["DEFAULT_SERVICE_NAME", "CountingBatchSpanProcessor", "CountingSpanExporter", "OtelExporter"]
 
 _logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ _LEDGER_FIELDS = {
 }
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
+_BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
 
 
 def _attr_value(rid):
@@ -189,6 +191,11 @@ class CountingSpanExporter(SpanExporter):
                     self._dropped += n
                     self._failed += 1
 
+    def settled(self) -> int:
+        """Spans whose export call finished, either way."""
+        with self._lock:
+            return self._exported + self._dropped
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 
@@ -210,6 +217,103 @@ class CountingSpanExporter(SpanExporter):
     def exported(self) -> int:
         with self._lock:
             return self._exported
+
+
+def _env_queue_size() -> int:
+    """``OTEL_BSP_MAX_QUEUE_SIZE`` as the SDK reads it (a positive int; otherwise the default, 2048)."""
+    raw = os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE")
+    try:
+        n = int(raw) if raw is not None else _BSP_DEFAULT_QUEUE
+    except ValueError:
+        n = _BSP_DEFAULT_QUEUE
+    return n if n > 0 else _BSP_DEFAULT_QUEUE
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """A ``BatchSpanProcessor`` that loses no span without counting it.
+
+    The SDK's batch processor silently evicts its oldest queued span when its queue is full (it only logs), and
+    spans still queued when its ``shutdown`` gives up are never exported. This one keeps the count exact:
+
+    - Its exporter is wrapped in ``CountingSpanExporter`` (unless it is one), which counts the spans of failed
+      exports.
+    - ``on_end`` hands a span to the queue only while fewer than ``max_queue_size`` handed spans are unsettled
+      (queued or in an export call); otherwise it refuses the newest span and counts it in ``queue_full``. The
+      SDK's queue therefore never overflows (it holds at most the unsettled spans), so nothing is evicted
+      uncounted. The price: while a batch is being exported the queue admits up to its size fewer spans.
+    - At ``shutdown`` the queue is exported (our ``OtelExporter.shutdown`` shuts the exporter down when its own
+      wait runs out, so that what is left fails at once, counted). Not counted: spans left in the queue when the
+      SDK's own shutdown wait (30 s) runs out while an export call still hangs.
+
+    ``dropped`` = spans of failed exports + ``queue_full``: a running total that never decreases.
+    Thread-safe: ``on_end`` runs on the thread that ends the span (the engine's), exports on the processor's
+    worker; the counts are read from any thread. ``on_end`` costs a lock and a comparison; it never waits.
+    """
+
+    def __init__(
+        self,
+        span_exporter: SpanExporter,
+        max_queue_size: int | None = None,
+        schedule_delay_millis: float | None = None,
+        max_export_batch_size: int | None = None,
+        export_timeout_millis: float | None = None,
+    ):
+        counting = span_exporter if isinstance(span_exporter, CountingSpanExporter) else CountingSpanExporter(
+            span_exporter
+        )
+        if max_queue_size is None:
+            max_queue_size = _env_queue_size()
+        super().__init__(
+            counting,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=max_export_batch_size,
+            export_timeout_millis=export_timeout_millis,
+        )
+        self.counting = counting
+        self.max_queue_size = max_queue_size
+        self._count_lock = threading.Lock()
+        self._handed = self.counting.settled()  # a CountingSpanExporter passed in may have exported before
+        self._queue_full = 0
+        self._closed = False
+
+    def on_end(self, span) -> None:
+        if not (span.context and span.context.trace_flags.sampled):
+            return  # the SDK's processor ignores unsampled spans too
+        settled = self.counting.settled()
+        with self._count_lock:
+            if self._closed:
+                self._queue_full += 1  # the SDK would ignore it (shut down): lost all the same
+                return
+            if self._handed - settled >= self.max_queue_size:
+                self._queue_full += 1
+                return
+            self._handed += 1
+        super().on_end(span)
+
+    def shutdown(self) -> None:
+        with self._count_lock:
+            self._closed = True
+        super().shutdown()
+
+    @property
+    def queue_full(self) -> int:
+        with self._count_lock:
+            return self._queue_full
+
+    @property
+    def dropped(self) -> int:
+        with self._count_lock:
+            own = self._queue_full
+        return own + self.counting.dropped
+
+    @property
+    def exported(self) -> int:
+        return self.counting.exported
+
+    @property
+    def failed_exports(self) -> int:
+        return self.counting.failed_exports
 
 
 class _Req:
@@ -258,7 +362,7 @@ class OtelExporter:
         max_events_per_span: int = 64,
         endpoint: str | None = None,
         hash_request_ids=None,
-        counting_exporter: CountingSpanExporter | None = None,
+        counting_exporter: CountingSpanExporter | CountingBatchSpanProcessor | None = None,
     ):
         if isinstance(max_events_per_span, bool) or not isinstance(max_events_per_span, int):
             raise TypeError(f"max_events_per_span: expected an int, got {type(max_events_per_span).__name__}")
@@ -266,9 +370,12 @@ class OtelExporter:
             raise ValueError(f"max_events_per_span: expected >= 1, got {max_events_per_span}")
         if tracer_provider is not None and endpoint is not None:
             raise ValueError("endpoint= configures the exporter's own provider; it cannot apply to a tracer_provider")
-        if counting_exporter is not None and not isinstance(counting_exporter, CountingSpanExporter):
+        if counting_exporter is not None and not isinstance(
+            counting_exporter, (CountingSpanExporter, CountingBatchSpanProcessor)
+        ):
             raise TypeError(
-                f"counting_exporter: expected a CountingSpanExporter, got {type(counting_exporter).__name__}"
+                "counting_exporter: expected a CountingSpanExporter or a CountingBatchSpanProcessor, got "
+                f"{type(counting_exporter).__name__}"
             )
         if counting_exporter is not None and tracer_provider is None:
             raise ValueError("counting_exporter= is for a tracer_provider passed in (our own provider counts already)")
@@ -317,14 +424,15 @@ class OtelExporter:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-        self._span_exporter = self._counting = CountingSpanExporter(
+        self._span_exporter = CountingSpanExporter(
             OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
         )
+        self._counting = CountingBatchSpanProcessor(self._span_exporter)
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
             limits = SpanLimits(max_events=self._max_events)
         provider = TracerProvider(resource=resource, span_limits=limits)
-        provider.add_span_processor(BatchSpanProcessor(self._span_exporter))
+        provider.add_span_processor(self._counting)
         return provider
 
     # -- public -----------------------------------------------------------------------------------------------
@@ -338,7 +446,7 @@ class OtelExporter:
 
     @property
     def spans_dropped(self) -> int:
-        """Spans lost at export (see ``CountingSpanExporter``); 0 with a provider passed in and no
+        """Spans lost after they ended (see ``CountingBatchSpanProcessor``); 0 with a provider passed in and no
         ``counting_exporter``."""
         return 0 if self._counting is None else self._counting.dropped
 

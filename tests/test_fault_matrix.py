@@ -19,6 +19,7 @@ tests/exporters/test_prometheus.py, recorder = tests/exporters/test_recorder.py,
 | OTLP endpoint down | otel ``test_collector_down_or_slow_never_blocks_the_allocator[down]`` (never |
 | | blocks); recovery on the same port: here ``test_otlp_collector_fails_then_recovers[down]`` |
 | OTLP endpoint slow (timeouts) | otel ``test_collector_down_or_slow_never_blocks_the_allocator[slow]`` |
+| OTLP endpoint slow (queue full) | here ``test_otlp_collector_slow_queue_full_is_counted`` |
 | OTLP endpoint returns 500 / 503 | here ``test_otlp_collector_fails_then_recovers[500]``, ``[503]`` |
 | metrics port taken | prom ``test_port_already_taken_names_the_port`` (the error names the port); the |
 | | allocator keeps working, a second ``serve()`` scrapes right: here ``test_metrics_port_taken`` |
@@ -252,6 +253,46 @@ def test_otlp_collector_fails_then_recovers(otel_env, caplog, fault):
         h.close()
         if rx is not None:
             rx.close()
+
+
+def test_otlp_collector_slow_queue_full_is_counted(otel_env, caplog):
+    """A collector so slow that the batch queue fills: the spans refused at the full queue are counted exactly (the
+    SDK's own processor would evict its oldest queued span with only a log line), the spans admitted arrive, and
+    when the collector speeds up later spans arrive and the count stops growing."""
+    caplog.set_level(logging.INFO)
+    # A queue of 8 exported in batches of 4: the first batch leaves as soon as 4 are queued (the timer, 60 s,
+    # never fires) and its export hangs 2 s at the receiver, far longer than the rounds below take.
+    otel_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "10")
+    rx = Receiver(delay=2.0)
+    h = Harness()
+    exp = OtelExporter(h.w, endpoint=f"http://127.0.0.1:{rx.server.server_address[1]}")
+    try:
+        with no_gc():
+            burst = [rid for _ in range(10) for rid in h.round()]
+        assert len(burst) == 40
+        # 8 spans admitted (4 being exported, 4 queued), the 32 others refused and counted, none evicted.
+        assert exp.spans_dropped == 32 and h.dropped("otel") == 32 and h.w.bus.dropped["otel"] == 0
+        h.check_unaffected()
+        assert exp.force_flush(timeout_millis=15000)
+        assert rx.wait_for(lambda r: len(r.request_spans()) >= 8)
+        assert sorted(rx.request_spans()) == sorted(burst[:8])  # the first 8 ended, exactly
+        assert records(caplog, "opentelemetry") == []  # no "Queue full" eviction, no export error
+
+        rx.delay = 0.0
+        with no_gc():
+            later = [rid for _ in range(3) for rid in h.round()]
+        assert exp.force_flush(timeout_millis=5000)
+        assert rx.wait_for(lambda r: len(r.request_spans()) >= 8 + len(later))
+        assert sorted(rx.request_spans()) == sorted(burst[:8] + later)
+        assert exp.spans_dropped == 32 and h.dropped("otel") == 32
+        h.check_unaffected()
+    finally:
+        exp.shutdown(timeout_millis=5000)
+        h.close()
+        rx.close()
 
 
 # -- 2. the metrics port is taken -----------------------------------------------------------------------------------

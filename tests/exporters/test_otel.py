@@ -707,3 +707,71 @@ def test_counting_exporter_argument_checks(memory):
         OtelExporter(paged(64), counting_exporter=CountingSpanExporter(InMemorySpanExporter()))
     with pytest.raises(TypeError, match="counting_exporter"):
         OtelExporter(paged(64), tracer_provider=provider, counting_exporter=InMemorySpanExporter())
+
+
+def test_counting_batch_processor_with_your_own_provider():
+    """CountingBatchSpanProcessor in a provider passed in: while an export hangs, the spans beyond max_queue_size
+    unsettled ones are refused and counted (the SDK's processor would evict the oldest silently); the admitted ones
+    are exported in order; failed exports add to the same total, reported under
+    kvalloc_events_dropped_total{sink="otel"}; an unsampled span is neither admitted nor counted."""
+    import threading
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from exporters.otel import CountingBatchSpanProcessor
+    from exporters.prometheus import PrometheusExporter
+
+    class Gate(SpanExporter):
+        """Holds each export until released; fails them while ``failing``."""
+
+        def __init__(self):
+            self.release = threading.Event()
+            self.entered = threading.Event()
+            self.names: list = []
+            self.failing = False
+
+        def export(self, spans):
+            self.entered.set()
+            assert self.release.wait(10)
+            if self.failing:
+                return SpanExportResult.FAILURE
+            self.names += [s.attributes["kv.request.id"] for s in spans]
+            return SpanExportResult.SUCCESS
+
+    gate = Gate()
+    proc = CountingBatchSpanProcessor(gate, max_queue_size=6, max_export_batch_size=3, schedule_delay_millis=60000)
+    assert proc.max_queue_size == 6 and proc.span_exporter is proc.counting
+    provider = TracerProvider()
+    provider.add_span_processor(proc)
+    w = paged(256)
+    prom = PrometheusExporter(w, multiprocess=False)
+    exp = OtelExporter(w, tracer_provider=provider, counting_exporter=proc)
+
+    def sample():
+        return prom.registry.get_sample_value("kvalloc_events_dropped_total", {"sink": "otel"})
+
+    names = [f"q{i}" for i in range(10)]
+    _finish_requests(w, names[:3])  # 3 queued: the worker takes them and hangs in export
+    assert gate.entered.wait(5)
+    _finish_requests(w, names[3:])  # 3 more admitted (6 unsettled), the last 4 refused
+    assert (proc.queue_full, proc.dropped, exp.spans_dropped, sample()) == (4, 4, 4, 4.0)
+    assert w.bus.dropped["otel"] == 0
+    gate.release.set()
+    assert exp.force_flush(timeout_millis=5000)
+    assert gate.names == names[:6] and proc.exported == 6
+
+    gate.failing = True  # the collector now refuses: both spans counted at export
+    _finish_requests(w, ["f0", "f1"])
+    assert exp.force_flush(timeout_millis=5000)
+    assert (proc.failed_exports, proc.dropped, sample()) == (1, 6, 6.0)
+
+    off = TracerProvider(sampler=ALWAYS_OFF)
+    off.add_span_processor(proc)
+    off.get_tracer("t").start_span("unsampled").end()
+    assert (proc.queue_full, proc.dropped) == (4, 6)
+
+    exp.shutdown()
+    provider.shutdown()
+    assert sample() == 6.0  # the total outlives the exporter
+    prom.close()
