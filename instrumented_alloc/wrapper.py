@@ -53,6 +53,7 @@ MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
 _ABSENT = object()
 _I64 = np.dtype(np.int64)
+_TORCH_I64 = torch.int64
 _make_event = ev.make
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
@@ -298,6 +299,7 @@ class InstrumentedAllocator:
         # (and records their ArgumentError as invalid_argument) instead of validating twice.
         s(self, "_w_inner_checks", isinstance(inner, BaseTokenToKVPoolAllocator))
         s(self, "_w_device", device)
+        s(self, "_w_host", device.type == "cpu")
         s(self, "_w_window", sliding_window)
         s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
         s(self, "_w_full", self._w_pools["full"])
@@ -1010,10 +1012,20 @@ class InstrumentedAllocator:
         forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
         with self._w_lock:
             self._w_st.op = op
-            if start_pos is _ABSENT:
-                self._validate(op, check_index_tensor, arg, index, self._w_device)
-            else:
-                self._segment_args(op, index, start_pos)
+            # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
+            # accepted inline; anything else goes through the full argument checks, which name the fault.
+            if not (
+                type(index) is torch.Tensor
+                and index.dtype is _TORCH_I64
+                and self._w_host
+                and index.is_cpu
+                and index.dim() == 1
+                and (start_pos is _ABSENT or (type(start_pos) is int and start_pos >= 0 and not start_pos % self._w_ps))
+            ):
+                if start_pos is _ABSENT:
+                    self._validate(op, check_index_tensor, arg, index, self._w_device)
+                else:
+                    self._segment_args(op, index, start_pos)
             if index.numel() == 0:
                 return forward()
             parts = parts_of(index, op)
@@ -1128,33 +1140,45 @@ class InstrumentedAllocator:
         return (full, lambda idx: (idx, False, None), (free_index,))
 
     def _peers_at(self, full_slots):
-        """SWA peers of freed full slots. Slot values outside the mapping (a free_unallocated fault the full
-        part reports) read as no live peer (0 or the -1 sentinel) instead of failing the lookup. No sync."""
+        """SWA peers of freed full slots, read before the inner clears them. Slot values outside the mapping (a
+        free_unallocated fault the full part reports) read as no live peer (0 or the -1 sentinel) instead of
+        failing the lookup. No sync: immediate mode (host tensors only) gathers from a numpy view of the
+        mapping (``take(mode="clip")`` is the clamp), deferred mode with device ops. ``full_slots`` is a
+        tensor, or in immediate mode its numpy view."""
         mapping = self._w_inner.full_to_swa_index_mapping
+        if not self._w_deferred:
+            idx = full_slots if type(full_slots) is np.ndarray else full_slots.numpy()
+            return mapping.numpy().take(idx, mode="clip")
         return mapping[full_slots.to(torch.int64).clamp(0, mapping.shape[0] - 1)]
 
     def _swa_set_part(self, free_index) -> list:
         swa = self._w_swa
         ps = self._w_ps
-        idx = free_index.to(torch.int64)
+        if not self._w_deferred:
+            idx = free_index.numpy().astype(np.int64, copy=False)
+            if ps > 1:
+                idx = ((idx // ps * ps)[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+        else:
+            idx = free_index.to(torch.int64)
+            if ps > 1:
+                idx = ((idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)).reshape(-1)
+        peers = self._peers_at(idx)
         if ps == 1:
-            peers = self._peers_at(idx)
             return [(swa, lambda p: self._peers_mapped(p, "free_swa"), (peers,))]
-        expanded = (idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)
-        peers = self._peers_at(expanded.reshape(-1))
         return [(swa, lambda p: (p[p > 0] // ps, True, None), (peers,))]
 
     def _swa_segment_part(self, free_index, op):
         swa = self._w_swa
         ps = self._w_ps
-        peers = self._peers_at(free_index[::ps])
+        reps = free_index.numpy()[::ps] if not self._w_deferred else free_index[::ps]
+        peers = self._peers_at(reps)
         return (swa, lambda p: self._peers_mapped(p, op), (peers,))
 
     def _peers_mapped(self, peers: np.ndarray, op: str):
         """SWA peers of page representatives must be mapped (> 0) when their SWA KV is freed."""
         ps = self._w_ps
         unmapped = peers <= 0
-        if unmapped.any():
+        if np.count_nonzero(unmapped):
             self._violate(
                 "swa_mapping_inconsistent",
                 f"{op}: {int(np.count_nonzero(unmapped))} of {peers.size} full pages have no live SWA peer "
@@ -1172,7 +1196,7 @@ class InstrumentedAllocator:
 
         def check(p, idx):
             still = p > 0
-            if still.any():
+            if np.count_nonzero(still):
                 pages = idx[still] // ps
                 owners = full.owner[pages[(pages >= 0) & (pages < full.owner.size)]]
                 slot = int(owners[owners >= 0][0]) if (owners >= 0).any() else -1
@@ -1212,6 +1236,8 @@ class InstrumentedAllocator:
     def _free(self, op: str, forward: Callable, parts: list):
         """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""
         self._w_st.op = op
+        if not self._w_deferred:
+            return self._free_now(op, forward, parts)
         timing = [0.0]  # wall time of the inner call alone, for the Free events
 
         def plan_all(arrays_per_part):
@@ -1240,40 +1266,65 @@ class InstrumentedAllocator:
             finally:
                 timing[0] = self._w_clock() - t0
 
-        if not self._w_deferred:
-            plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
-            if self._w_raise and self._w_to_raise:
-                self._finish()  # raises: the inner allocator never sees the bad free
-            # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free).
-            before = [p.entries() for p in self._w_pools.values()]
-            clock = self._w_clock
-            t0 = clock()
-            try:
-                result = forward()
-            except BaseException:
-                timing[0] = clock() - t0
-                if before != [p.entries() for p in self._w_pools.values()]:
-                    apply_all(plans)
-                    self._deliver()
-                raise
-            timing[0] = clock() - t0
-            apply_all(plans)
-        else:
-            tensors = [t for _, _, ts in parts for t in ts]
-            shapes = [len(ts) for _, _, ts in parts]
+        tensors = [t for _, _, ts in parts for t in ts]
+        shapes = [len(ts) for _, _, ts in parts]
 
-            def deferred(*arrays):
-                grouped, i = [], 0
-                for k in shapes:
-                    grouped.append(arrays[i : i + k])
-                    i += k
-                apply_all(plan_all(grouped))
+        def deferred(*arrays):
+            grouped, i = [], 0
+            for k in shapes:
+                grouped.append(arrays[i : i + k])
+                i += k
+            apply_all(plan_all(grouped))
 
-            with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
-                result = timed_forward()
-            self._slot_tier(deferred, *tensors)
+        with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
+            result = timed_forward()
+        self._slot_tier(deferred, *tensors)
         self._finish()
         return result
+
+    def _free_now(self, op: str, forward: Callable, parts: list):
+        """``_free`` with immediate verification (host tensors): check every part before the call (raise mode
+        refuses a bad free there), forward, mirror. Written out without closures: this is every free's path."""
+        plans = []
+        for pool, fn, arrays in parts:
+            if len(arrays) == 1:
+                a = arrays[0]
+                r = fn(a if type(a) is np.ndarray else a.numpy())
+            else:
+                r = fn(*(a if type(a) is np.ndarray else a.numpy() for a in arrays))
+            if pool is None or r is None:
+                continue
+            pages, dedup, unmapped = r
+            bad, plan = pool.shadow.plan_free(pages, dedup=dedup, op=op, unmapped=unmapped)
+            if bad:
+                self._report(bad, pool.name, op)
+            plans.append((pool, plan))
+        if self._w_raise and self._w_to_raise:
+            self._finish()  # raises: the inner allocator never sees the bad free
+        # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free).
+        pools = self._w_pools.values()
+        before = [p.entries() for p in pools]
+        timed = self.bus.active
+        clock = self._w_clock
+        t0 = clock() if timed else 0.0
+        try:
+            result = forward()
+        except BaseException:
+            if before != [p.entries() for p in pools]:
+                self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
+                self._deliver()
+            raise
+        self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
+        if timed or self._w_to_raise or self._w_st.events:
+            self._finish()
+        return result
+
+    def _apply_frees(self, op: str, plans: list, duration: float) -> None:
+        if len(plans) == 1:
+            pool, plan = plans[0]
+            self._after_free(op, [(pool, pool.shadow.apply_free(plan), plan[3])], duration)
+        else:
+            self._after_free(op, [(pool, pool.shadow.apply_free(plan), plan[3]) for pool, plan in plans], duration)
 
     @contextlib.contextmanager
     def _mirror_on_failure(self, mirror: Callable):
@@ -1290,7 +1341,7 @@ class InstrumentedAllocator:
 
     def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
         """Ledger and events after a free. ``touched``: (pool, distinct owner slots, entries) per pool."""
-        if len(touched) == 1 and touched[0][1].size == 1 and touched[0][0].name == "full":
+        if len(touched) == 1 and touched[0][1].size == 1:
             return self._after_free_one(op, touched[0], duration)
         led = self.ledger
         ps = self._w_ps
@@ -1324,17 +1375,24 @@ class InstrumentedAllocator:
             self._emit_ledger(op, slots)
 
     def _after_free_one(self, op: str, touched, duration: float) -> None:
-        """``_after_free`` for the usual free: one request's pages in the one (full) pool, in Python ints."""
+        """``_after_free`` for the usual free: one request's pages in one pool, in Python ints."""
         pool, owners, n_entries = touched
         led = self.ledger
         s = int(owners[0])
-        cap = int(led.owned["full"][s]) * self._w_ps
-        allocated = min(int(led.allocated[s]), cap)
-        led.allocated[s] = allocated
-        led.committed[s] = min(int(led.committed[s]), allocated)
+        if pool.name == "full":
+            # The request's allocated length follows its full-pool pages when they shrink.
+            cap = int(led.owned["full"][s]) * self._w_ps
+            allocated = int(led.allocated[s])
+            if allocated > cap:
+                led.allocated[s] = allocated = cap
+            if int(led.committed[s]) > allocated:
+                led.committed[s] = allocated
         if self.bus.active:
             self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=(led.rid_of(s),), duration=duration)
-        if all(arr[s] <= 0 for arr in led.owned.values()):
+        for arr in led.owned.values():
+            if arr.item(s) > 0:
+                break
+        else:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
@@ -1343,12 +1401,14 @@ class InstrumentedAllocator:
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
         """Run ``fn`` on host views of ``tensors``: now (CPU, immediate) or, in call order, once their
-        non-blocking copies have landed (deferred)."""
+        non-blocking copies have landed (deferred). Immediate mode may pass numpy arrays already on the host
+        (what ``_swa_peer`` and ``_peers_at`` return there)."""
         if not self._w_deferred:
             if len(tensors) == 1:
-                fn(tensors[0].numpy())
+                t = tensors[0]
+                fn(t if type(t) is np.ndarray else t.numpy())
             else:
-                fn(*(t.numpy() for t in tensors))
+                fn(*(t if type(t) is np.ndarray else t.numpy() for t in tensors))
             return
         event = None
         if self._w_cuda and tensors:
@@ -1381,7 +1441,13 @@ class InstrumentedAllocator:
         self._w_st.op = current
 
     def _swa_peer(self, full_slots):
-        return self._w_inner.full_to_swa_index_mapping[full_slots.to(torch.int64)]
+        """SWA peers of handed-out full slots, read after the call. Immediate mode (host tensors only): a numpy
+        gather on a view of the mapping (a torch index costs microseconds of dispatch); deferred: a device op
+        whose result the slot tier copies without a sync."""
+        mapping = self._w_inner.full_to_swa_index_mapping
+        if not self._w_deferred:
+            return mapping.numpy()[full_slots.numpy().astype(np.int64, copy=False)]
+        return mapping[full_slots.to(torch.int64)]
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _validate(self, op: str, check: Callable, *args, **kwargs):
