@@ -419,13 +419,15 @@ class InstrumentedAllocator:
             if len(lens) != len(rids):
                 raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
             lens = [check_int("lens", x) for x in lens]
+        tls = self._w_tls
         with self._w_lock:
-            if self._w_bound is not None:
+            if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
-            # The slots as owner codes (int32 bytes): a decode compares the pages' owners to them in one memcmp.
-            own = slots.astype(np.int32).tobytes()
-            self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
+            # The slots as owner codes (int32 bytes): the decode fast path compares the pages' owners to them in
+            # one memcmp (only it reads them).
+            own = slots.astype(np.int32).tobytes() if self._w_fast_decode else None
+            tls.bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
@@ -756,11 +758,11 @@ class InstrumentedAllocator:
                     self.ledger.owned["swa"][slots] += swa_grow
 
             def verify(o, s=None):
-                if ((o - pos) % ps).any():
+                if np.count_nonzero((o - pos) % ps):
                     self._misaligned(o, pos, own, op, "full")
                 self._report(full.shadow.on_alloc(o // ps, own, new_mask, n_new, op), "full", op)
                 if s is not None:
-                    if ((s - swa_pos) % ps).any():
+                    if np.count_nonzero((s - swa_pos) % ps):
                         self._misaligned(s, swa_pos, swa_own, op, "swa")
                     self._report(swa_pool.shadow.on_alloc(s // ps, swa_own, swa_new, swa_n_new, op), "swa", op)
 
@@ -847,10 +849,10 @@ class InstrumentedAllocator:
             def verify(o, s=None):
                 # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
                 if shift is not None:
-                    misaligned = ((o - pos) & (ps - 1)).any()
+                    misaligned = np.count_nonzero((o - pos) & (ps - 1))
                     pages = o >> shift
                 else:
-                    misaligned = ((o - pos) % ps).any()
+                    misaligned = np.count_nonzero((o - pos) % ps)
                     pages = o // ps
                 if misaligned:
                     self._misaligned(o, pos, own, op, "full")
@@ -858,9 +860,15 @@ class InstrumentedAllocator:
                 if bad:
                     self._report(bad, "full", op)
                 if s is not None:
-                    if ((s - pos) % ps).any():
+                    if shift is not None:
+                        misaligned = np.count_nonzero((s - pos) & (ps - 1))
+                        spages = s >> shift
+                    else:
+                        misaligned = np.count_nonzero((s - pos) % ps)
+                        spages = s // ps
+                    if misaligned:
                         self._misaligned(s, pos, own, op, "swa")
-                    bad = swa_pool.shadow.on_alloc(s // ps, own, new_mask, n_new, op)
+                    bad = swa_pool.shadow.on_alloc(spages, own, new_mask, n_new, op)
                     if bad:
                         self._report(bad, "swa", op)
 
