@@ -424,9 +424,9 @@ class InstrumentedAllocator:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
-            # The slots as owner codes (int32 bytes): the decode fast path compares the pages' owners to them in
-            # one memcmp (only it reads them).
-            own = slots.astype(np.int32).tobytes() if self._w_fast_decode else None
+            # The slots as owner codes (int32): the decode fast path compares the pages' owners to them in one
+            # memcmp (only it reads them).
+            own = slots.astype(np.int32) if self._w_fast_decode else None
             tls.bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
 
     def release_request(self, rid) -> None:
@@ -936,6 +936,8 @@ class InstrumentedAllocator:
                 np.ones(bs, np.int64),
                 np.full(bs, self._w_shift, np.int64),
                 np.full(bs, -1, np.int32),  # owner code of an unattributed slot
+                np.zeros(bs, np.int64),
+                np.full(bs, FREE, np.int32),
             )
             self._w_consts[bs] = c
         return c
@@ -952,7 +954,7 @@ class InstrumentedAllocator:
         seq = seq_lens_cpu.numpy()
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
-        mask, smask, one, shift, unowned = self._w_consts.get(bs) or self._decode_consts(bs)
+        mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
         at = seq - one  # the position each new slot holds
         at &= mask  # its offset in its page; 0: the request opens a page
         if (o & smask).tobytes() != at.tobytes():
@@ -964,20 +966,21 @@ class InstrumentedAllocator:
         except IndexError:
             return None  # a page past the end
         n_new = bs - np.count_nonzero(at)
+        own = unowned if slots is None else bound[3]  # owner codes (int32) of the pages, as they must read
         if n_new == 0:
-            if prev.tobytes() != (unowned.tobytes() if slots is None else bound[3]):
+            if prev.tobytes() != own.tobytes():
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 self.ledger.committed[slots] = seq
             if shadow.deltas is not None:
-                shadow._set(pages, -1 if slots is None else slots)
+                shadow._set(pages, own)
             return 0
-        opens = at == 0
-        own = unowned if slots is None else slots
-        # Openers must find their page free (code <= FREE, clipped to FREE); the others their own page.
-        if np.where(opens, np.maximum(prev, FREE), prev).tobytes() != np.where(opens, FREE, own).astype(
-            np.int32
-        ).tobytes():
+        opens = at == zero
+        # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
+        # own page (codes >= -1, which the clip leaves alone).
+        expect = own.copy()
+        expect[opens] = FREE
+        if np.maximum(prev, free).tobytes() != expect.tobytes():
             return None
         if slots is not None:
             led = self.ledger
@@ -985,8 +988,9 @@ class InstrumentedAllocator:
             openers = slots[opens]
             for arr in led.owned.values():
                 arr[openers] += 1
-            led.allocated[openers] = (seq[opens] + (self._w_ps - 1)) >> self._w_shift << self._w_shift
-        shadow._set(pages, -1 if slots is None else slots)
+            # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
+            led.allocated[openers] = (seq + mask)[opens]
+        shadow._set(pages, own)
         shadow.expected_entries -= n_new
         return n_new
 
