@@ -311,8 +311,9 @@ class InstrumentedAllocator:
         # The allocation paths capture the pools' free counts before the call only where a refusal or a merge can
         # follow a change (see _entries_before).
         s(self, "_w_capture_before", need_sort or len(self._w_pools) > 1)
-        # Immediate decode checks on one pool with a power-of-two page size > 1 take the fast path first.
-        s(self, "_w_fast_decode", not deferred and self._w_swa is None and ps > 1 and self._w_shift is not None)
+        # Immediate decode checks with a power-of-two page size > 1 take the fast path first (one pool, or SWA's
+        # two linked by the mapping).
+        s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
@@ -814,6 +815,8 @@ class InstrumentedAllocator:
                     if slots is not None:
                         self._emit_ledger(op, slots, bound[0])
                     self._emit_alloc(op, bs, int(n_new), dt)
+                    if self._w_swa is not None:
+                        self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
                 if self._w_st.events or self._w_to_raise:
                     self._finish()
                 return out
@@ -943,10 +946,11 @@ class InstrumentedAllocator:
         return c
 
     def _decode_fast(self, out, seq_lens_cpu, slots, bound, bs: int):
-        """Immediate verification of a decode on one pool with a power-of-two page size > 1, for the case where
-        every check passes: each slot sits at its position's offset in its page; a request that opens a page got
-        one that was free, every other continues in a page it owns. Then it applies what the general path applies
-        (ledger lengths and page counts, the shadow, the free count) and returns the number of pages opened.
+        """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
+        passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
+        position's offset in its page; a request that opens a page got one that was free, every other continues in
+        a page it owns. Then it applies what the general path applies (ledger lengths and page counts, the shadows,
+        the free counts) and returns the number of pages opened.
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size."""
@@ -965,23 +969,44 @@ class InstrumentedAllocator:
             prev = shadow.owner[pages]
         except IndexError:
             return None  # a page past the end
+        swa = self._w_swa
+        if swa is not None:
+            # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
+            peers = self._w_inner.full_to_swa_index_mapping.numpy()[o]
+            if (peers & smask).tobytes() != at.tobytes():
+                return None
+            swa_pages = peers >> shift
+            swa_shadow = swa.shadow
+            try:
+                swa_prev = swa_shadow.owner[swa_pages]
+            except IndexError:
+                return None
         n_new = bs - np.count_nonzero(at)
         own = unowned if slots is None else bound[3]  # owner codes (int32) of the pages, as they must read
         if n_new == 0:
-            if prev.tobytes() != own.tobytes():
+            own_b = own.tobytes()
+            if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 self.ledger.committed[slots] = seq
             if shadow.deltas is not None:
                 shadow._set(pages, own)
+            if swa is not None and swa_shadow.deltas is not None:
+                swa_shadow._set(swa_pages, own)
             return 0
         opens = at == zero
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
         expect = own.copy()
         expect[opens] = FREE
-        if np.maximum(prev, free).tobytes() != expect.tobytes():
+        expect_b = expect.tobytes()
+        if np.maximum(prev, free).tobytes() != expect_b or (
+            swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
+        ):
             return None
+        if swa is not None:
+            swa_shadow._set(swa_pages, own)
+            swa_shadow.expected_entries -= n_new
         if slots is not None:
             led = self.ledger
             led.committed[slots] = seq
