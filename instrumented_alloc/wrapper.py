@@ -54,6 +54,7 @@ MODES = ("raise", "record", "off")
 _ABSENT = object()
 _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
+_ADD = np.add
 _make_event = ev.make
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
@@ -722,7 +723,9 @@ class InstrumentedAllocator:
             ceil_prefix = (prefix + ps - 1) // ps
             ceil_seq = (seq + ps - 1) // ps
             grow = ceil_seq - ceil_prefix
-            n_new = int(grow.sum())
+            # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
+            # Python (a microsecond each on a batch).
+            n_new = int(_ADD.reduce(grow))
             got = int(out.shape[0])
             if got != n:
                 self._violate(
@@ -732,10 +735,10 @@ class InstrumentedAllocator:
                 self._finish()
                 return out
             # Position of every returned slot, and whether it opens a page taken from the free list.
-            first = np.cumsum(ext) - ext
-            pos = np.arange(n, dtype=np.int64) + np.repeat(prefix - first, ext)
-            new_mask = pos >= np.repeat(ceil_prefix * ps, ext)
-            own = -1 if slots is None else np.repeat(slots, ext)
+            first = _ADD.accumulate(ext) - ext
+            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+            new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            own = -1 if slots is None else slots.repeat(ext)
             full, swa_pool = self._w_full, self._w_swa
             if slots is not None:
                 led = self.ledger
@@ -1666,8 +1669,10 @@ class InstrumentedAllocator:
         reported = self._w_mismatch_reported
         for name, want in checks:
             have = led.owned[name][slots]
-            bad = np.flatnonzero(have != want)
-            for i in bad:
+            differ = have != want
+            if not np.count_nonzero(differ):
+                continue  # the usual boundary (np.flatnonzero is a Python-level wrapper: only on a mismatch)
+            for i in np.flatnonzero(differ):
                 s = int(slots[i])
                 if s in led.tainted:
                     continue  # its root cause (a rejected ledger write) was reported already
