@@ -36,6 +36,8 @@ import torch
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, page_disjoint
+from instrumented_alloc.allocators.paged import PagedTokenToKVPoolAllocator
+from instrumented_alloc.allocators.token import TokenToKVPoolAllocator
 from instrumented_alloc.argcheck import (
     ArgumentError,
     ArgumentTypeError,
@@ -299,6 +301,9 @@ class InstrumentedAllocator:
         # Our reference allocators validate every argument before changing state: the wrapper then lets them
         # (and records their ArgumentError as invalid_argument) instead of validating twice.
         s(self, "_w_inner_checks", isinstance(inner, BaseTokenToKVPoolAllocator))
+        # Our token and paged allocators (exactly those classes) validate, then change their lists, then return:
+        # a free that raises changed nothing. SGLang's (and our SWA allocator, like SGLang's) may raise after.
+        s(self, "_w_atomic_free", type(inner) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator))
         s(self, "_w_device", device)
         s(self, "_w_host", device.type == "cpu")
         s(self, "_w_window", sliding_window)
@@ -586,7 +591,7 @@ class InstrumentedAllocator:
             else:
                 n = self._validate(op, check_int, "need_size", need_size)
             bound = getattr(self._w_tls, "bound", None)
-            if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
+            if bound is not None and bound[2] is not None and int(_ADD.reduce(bound[2])) != n:
                 self._invalid(
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
@@ -901,7 +906,7 @@ class InstrumentedAllocator:
             return False
         rids, slots, lens = bound[0], bound[1], bound[2]
         if lens is not None:
-            shares, own = lens, np.repeat(slots, lens)
+            shares, own = lens, slots.repeat(lens)
         elif len(rids) == 1:
             shares, own = n, np.full(n, slots[0], np.int64)
         elif len(rids) == n:
@@ -909,14 +914,10 @@ class InstrumentedAllocator:
         else:
             return False
         shadow = self._w_full.shadow
-        if o.min() < 1:
-            return False
-        try:
-            prev = shadow.owner[o]
-        except IndexError:
-            return False
+        # A slot outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
+        prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
-            return False  # handed out twice, or reserved: the general path reports it
+            return False  # handed out twice, reserved, or outside the pool: the general path reports it
         led = self.ledger
         for arr in led.owned.values():
             arr[slots] += shares
@@ -925,8 +926,9 @@ class InstrumentedAllocator:
         self._emit_ledger("alloc", slots, rids)
         shadow._set(o, own)
         shadow.expected_entries -= n
-        self._emit_alloc("alloc", n, n, dt)
-        self._finish()
+        if self.bus.active:
+            self._emit_alloc("alloc", n, n, dt)
+            self._finish()
         return True
 
     def _decode_consts(self, bs: int) -> tuple:
@@ -1341,16 +1343,17 @@ class InstrumentedAllocator:
             plans.append((pool, plan))
         if self._w_raise and self._w_to_raise:
             self._finish()  # raises: the inner allocator never sees the bad free
-        # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free).
+        # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
+        # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = self._w_pools.values()
-        before = [p.entries() for p in pools]
+        before = None if self._w_atomic_free else [p.entries() for p in pools]
         timed = self.bus.active
         clock = self._w_clock
         t0 = clock() if timed else 0.0
         try:
             result = forward()
         except BaseException:
-            if before != [p.entries() for p in pools]:
+            if before is not None and before != [p.entries() for p in pools]:
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
                 self._deliver()
             raise
@@ -1362,7 +1365,11 @@ class InstrumentedAllocator:
     def _apply_frees(self, op: str, plans: list, duration: float) -> None:
         if len(plans) == 1:
             pool, plan = plans[0]
-            self._after_free(op, [(pool, pool.shadow.apply_free(plan), plan[3])], duration)
+            owners = pool.shadow.apply_free(plan)
+            if owners.size == 1:
+                self._after_free_one(op, (pool, owners, plan[3]), duration)
+            else:
+                self._after_free(op, [(pool, owners, plan[3])], duration)
         else:
             self._after_free(op, [(pool, pool.shadow.apply_free(plan), plan[3]) for pool, plan in plans], duration)
 
