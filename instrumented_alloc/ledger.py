@@ -202,7 +202,7 @@ class KvLedger:
     def check(self, slot: int, field: str, value: int) -> list[tuple[str, str]]:
         """The ledger rules broken by storing ``value`` into ``field`` of ``slot`` (empty list: accepted)."""
         ps = self.page_size
-        alloc, comm, ev = int(self.allocated[slot]), int(self.committed[slot]), int(self.evicted[slot])
+        alloc, comm, ev = self.allocated.item(slot), self.committed.item(slot), self.evicted.item(slot)
         bad: list[tuple[str, str]] = []
         if field == "kv_allocated_len":
             if value < 0 or value % ps:
@@ -257,17 +257,18 @@ class KvLedger:
 
     def write(self, slot: int, field: str, value) -> bool:
         """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")
-            self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
-            raise exc
-        value = int(value)
+        if type(value) is not int:  # a plain int is the usual value: no ABC isinstance check for it
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")
+                self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
+                raise exc
+            value = int(value)
         bad = self.check(slot, field, value)
         if bad:
             self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
             return False
         column = self._column(field)
-        old = int(column[slot])
+        old = column.item(slot)
         column[slot] = value
         self.dirty.add(slot)
         if old != value:

@@ -431,10 +431,9 @@ class InstrumentedAllocator:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
-            # The slots as owner codes (int32): the decode fast path compares the pages' owners to them in one
-            # memcmp (only it reads them).
-            own = slots.astype(np.int32) if self._w_fast_decode else None
-            tls.bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
+            # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
+            # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
+            tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
@@ -987,7 +986,12 @@ class InstrumentedAllocator:
             except IndexError:
                 return None
         n_new = bs - np.count_nonzero(at)
-        own = unowned if slots is None else bound[3]  # owner codes (int32) of the pages, as they must read
+        if slots is None:
+            own = unowned  # owner codes (int32) of the pages, as they must read
+        else:
+            own = bound[3]
+            if own is None:
+                own = bound[3] = slots.astype(np.int32)
         if n_new == 0:
             own_b = own.tobytes()
             if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
