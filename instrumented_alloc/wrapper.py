@@ -1171,17 +1171,23 @@ class InstrumentedAllocator:
             return result
 
     # -- free parts: (pool, fn(arrays) -> (pages, dedup, unmapped_mask), tensors) ---------------------------------
+    # Page ids from slots: a shift when the page size is a power of two (it floors negatives as // does, and
+    # costs less than a division).
     def _full_set_part(self, free_index) -> list:
         full = self._w_full
-        ps = self._w_ps
+        ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
+            if shift is not None:
+                return [(full, lambda idx: (idx >> shift, True, None), (free_index,))]
             return [(full, lambda idx: (idx // ps, True, None), (free_index,))]
         return [(full, lambda idx: (idx, False, None), (free_index,))]
 
     def _full_segment_part(self, free_index):
         full = self._w_full
-        ps = self._w_ps
+        ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
+            if shift is not None:
+                return (full, lambda idx: (idx[::ps] >> shift, False, None), (free_index,))
             return (full, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
         return (full, lambda idx: (idx, False, None), (free_index,))
 
@@ -1233,7 +1239,8 @@ class InstrumentedAllocator:
                 pool="swa",
             )
             return peers // ps, False, unmapped
-        return peers // ps, False, None
+        shift = self._w_shift
+        return (peers >> shift if shift is not None else peers // ps), False, None
 
     def _peer_released_check(self, free_index, op):
         peers = self._peers_at(free_index)
