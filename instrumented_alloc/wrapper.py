@@ -1439,14 +1439,16 @@ class InstrumentedAllocator:
         s = int(owners[0])
         if pool.name == "full":
             # The request's allocated length follows its full-pool pages when they shrink.
-            cap = int(led.owned["full"][s]) * self._w_ps
-            allocated = int(led.allocated[s])
+            cap = led.owned["full"].item(s) * self._w_ps
+            allocated = led.allocated.item(s)
             if allocated > cap:
                 led.allocated[s] = allocated = cap
-            if int(led.committed[s]) > allocated:
+            if led.committed.item(s) > allocated:
                 led.committed[s] = allocated
-        if self.bus.active:
-            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=(led.rid_of(s),), duration=duration)
+        timed = self.bus.active
+        if timed:
+            rids = (led.rid_of(s),)
+            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=rids, duration=duration)
         for arr in led.owned.values():
             if arr.item(s) > 0:
                 break
@@ -1454,7 +1456,8 @@ class InstrumentedAllocator:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        self._emit_ledger(op, owners)
+        if timed:
+            self._emit_ledger(op, owners, rids)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
