@@ -425,7 +425,10 @@ class InstrumentedAllocator:
                 raise ArgumentTypeError("lens", f"expected a sequence of ints, got {type(lens).__name__}")
             if len(lens) != len(rids):
                 raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
-            lens = [check_int("lens", x) for x in lens]
+            # Plain non-negative ints (the usual lens) pass with two C-level scans; anything else is checked
+            # one by one, which names the bad entry.
+            if not (set(map(type, lens)) <= {int} and (not len(lens) or min(lens) >= 0)):
+                lens = [check_int("lens", x) for x in lens]
         tls = self._w_tls
         with self._w_lock:
             if getattr(tls, "bound", None) is not None:
