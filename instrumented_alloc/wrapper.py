@@ -311,6 +311,7 @@ class InstrumentedAllocator:
         s(self, "_w_full", self._w_pools["full"])
         s(self, "_w_swa", self._w_pools.get("swa"))
         s(self, "_w_mapping_owner", inner if self._w_swa is not None else None)
+        self._set_one_pool()
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
@@ -387,6 +388,16 @@ class InstrumentedAllocator:
         with self._w_lock:
             self.bus.unsubscribe(sink)
             self._sync_deltas()
+
+    def _set_one_pool(self) -> None:
+        # What step() reads for the count check of a single pool, in one attribute: (allocator, page size,
+        # shadow); None when there are two pools (the general boundary checks both).
+        pools = self._w_pools
+        one = None
+        if len(pools) == 1:
+            p = self._w_full
+            one = (p.allocator, p.page_size, p.shadow)
+        object.__setattr__(self, "_w_one_pool", one)
 
     def _sync_deltas(self) -> None:
         # Page deltas and ledger updates are built only while some sink reads them.
@@ -467,14 +478,15 @@ class InstrumentedAllocator:
             st = self._w_st
             st.step += 1
             st.op = "step"
-            if self._w_pending:
+            pending = self._w_pending
+            if pending:
                 self._drain(wait=False)
-            if not self._w_pending:
-                pools = self._w_pools
-                if len(pools) == 1 and not self.ledger.dirty:
+            if not pending:
+                one = self._w_one_pool
+                if one is not None and not self.ledger.dirty:
                     # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
-                    pool = self._w_full
-                    if pool.allocator.available_size() // pool.page_size != pool.shadow.expected_entries:
+                    allocator, ps, shadow = one
+                    if allocator.available_size() // ps != shadow.expected_entries:
                         self._boundary_checks("step")
                 else:
                     self._boundary_checks("step")
@@ -1138,6 +1150,7 @@ class InstrumentedAllocator:
             object.__setattr__(self, "_w_pools", pools)
             object.__setattr__(self, "_w_full", pools["full"])
             object.__setattr__(self, "_w_swa", pools.get("swa"))
+            self._set_one_pool()
             self._sync_deltas()
             self._cleared()
             self._finish()
