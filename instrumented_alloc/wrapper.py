@@ -735,7 +735,7 @@ class InstrumentedAllocator:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
-            ps = self._w_ps
+            ps, shift = self._w_ps, self._w_shift
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
             ext = seq - prefix
@@ -781,13 +781,26 @@ class InstrumentedAllocator:
                     self.ledger.owned["swa"][slots] += swa_grow
 
             def verify(o, s=None):
-                if np.count_nonzero((o - pos) % ps):
+                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
+                if shift is not None:
+                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
+                else:
+                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
+                if misaligned:
                     self._misaligned(o, pos, own, op, "full")
-                self._report(full.shadow.on_alloc(o // ps, own, new_mask, n_new, op), "full", op)
+                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
+                if bad:
+                    self._report(bad, "full", op)
                 if s is not None:
-                    if np.count_nonzero((s - swa_pos) % ps):
+                    if shift is not None:
+                        misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                    else:
+                        misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                    if misaligned:
                         self._misaligned(s, swa_pos, swa_own, op, "swa")
-                    self._report(swa_pool.shadow.on_alloc(s // ps, swa_own, swa_new, swa_n_new, op), "swa", op)
+                    bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                    if bad:
+                        self._report(bad, "swa", op)
 
             if swa_grow is not None:
                 self._slot_tier(verify, out, peer)
