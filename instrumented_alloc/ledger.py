@@ -144,7 +144,41 @@ class KvLedger:
         return slot
 
     def slots_of(self, rids) -> np.ndarray:
-        return np.fromiter((self.slot_of(r) for r in rids), np.int64, len(rids))
+        """The slot of each request id, in order; a new id gets one (every batch of an engine names mostly
+        known requests: one dict lookup each, no method call)."""
+        to_slot = self._rid_to_slot
+        get = to_slot.get
+        slots = [get(r) for r in rids]
+        if None in slots:
+            # New requests (an extend's batch): slots taken in one pass, marked live with one vector store.
+            free = self._free_slots
+            n = len(slots)
+            if slots.count(None) == n and n <= len(free) and len(set(rids)) == n:
+                # All new, distinct, and no growth needed: the slots one pop() each would give, in that order.
+                new = free[: -n - 1 : -1]
+                del free[-n:]
+                to_slot.update(zip(rids, new))
+                slot_rid = self._slot_rid
+                for slot, r in zip(new, rids):
+                    slot_rid[slot] = r
+                self.live[new] = True
+                self._live_cache = None
+                return np.array(new, np.int64)
+            new = []
+            for i, r in enumerate(rids):
+                if slots[i] is None:
+                    slot = get(r)  # the same new id twice in ``rids`` gets one slot
+                    if slot is None:
+                        if not self._free_slots:
+                            self._grow(self._cap * 2)
+                        slot = self._free_slots.pop()
+                        to_slot[r] = slot
+                        self._slot_rid[slot] = r
+                        new.append(slot)
+                    slots[i] = slot
+            self.live[new] = True
+            self._live_cache = None
+        return np.array(slots, np.int64) if slots else np.zeros(0, np.int64)
 
     def rid_of(self, slot: int):
         return self._slot_rid[slot] if 0 <= slot < self._cap else None
@@ -196,7 +230,7 @@ class KvLedger:
     def check(self, slot: int, field: str, value: int) -> list[tuple[str, str]]:
         """The ledger rules broken by storing ``value`` into ``field`` of ``slot`` (empty list: accepted)."""
         ps = self.page_size
-        alloc, comm, ev = int(self.allocated[slot]), int(self.committed[slot]), int(self.evicted[slot])
+        alloc, comm, ev = self.allocated.item(slot), self.committed.item(slot), self.evicted.item(slot)
         bad: list[tuple[str, str]] = []
         if field == "kv_allocated_len":
             if value < 0 or value % ps:
@@ -251,17 +285,18 @@ class KvLedger:
 
     def write(self, slot: int, field: str, value) -> bool:
         """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")
-            self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
-            raise exc
-        value = int(value)
+        if type(value) is not int:  # a plain int is the usual value: no ABC isinstance check for it
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")
+                self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
+                raise exc
+            value = int(value)
         bad = self.check(slot, field, value)
         if bad:
             self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
             return False
         column = self._column(field)
-        old = int(column[slot])
+        old = column.item(slot)
         column[slot] = value
         self.dirty.add(slot)
         if old != value:

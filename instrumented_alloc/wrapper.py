@@ -36,6 +36,8 @@ import torch
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, page_disjoint
+from instrumented_alloc.allocators.paged import PagedTokenToKVPoolAllocator
+from instrumented_alloc.allocators.token import TokenToKVPoolAllocator
 from instrumented_alloc.argcheck import (
     ArgumentError,
     ArgumentTypeError,
@@ -53,6 +55,8 @@ MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
 _ABSENT = object()
 _I64 = np.dtype(np.int64)
+_TORCH_I64 = torch.int64
+_ADD = np.add
 _make_event = ev.make
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
@@ -297,20 +301,26 @@ class InstrumentedAllocator:
         # Our reference allocators validate every argument before changing state: the wrapper then lets them
         # (and records their ArgumentError as invalid_argument) instead of validating twice.
         s(self, "_w_inner_checks", isinstance(inner, BaseTokenToKVPoolAllocator))
+        # Our token and paged allocators (exactly those classes) validate, then change their lists, then return:
+        # a free that raises changed nothing. SGLang's (and our SWA allocator, like SGLang's) may raise after.
+        s(self, "_w_atomic_free", type(inner) in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator))
         s(self, "_w_device", device)
+        s(self, "_w_host", device.type == "cpu")
         s(self, "_w_window", sliding_window)
         s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
         s(self, "_w_full", self._w_pools["full"])
         s(self, "_w_swa", self._w_pools.get("swa"))
         s(self, "_w_mapping_owner", inner if self._w_swa is not None else None)
+        self._set_one_pool()
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
         # The allocation paths capture the pools' free counts before the call only where a refusal or a merge can
         # follow a change (see _entries_before).
         s(self, "_w_capture_before", need_sort or len(self._w_pools) > 1)
-        # Immediate decode checks on one pool with a power-of-two page size > 1 take the fast path first.
-        s(self, "_w_fast_decode", not deferred and self._w_swa is None and ps > 1 and self._w_shift is not None)
+        # Immediate decode checks with a power-of-two page size > 1 take the fast path first (one pool, or SWA's
+        # two linked by the mapping).
+        s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
@@ -379,6 +389,16 @@ class InstrumentedAllocator:
             self.bus.unsubscribe(sink)
             self._sync_deltas()
 
+    def _set_one_pool(self) -> None:
+        # What step() reads for the count check of a single pool, in one attribute: (allocator, page size,
+        # shadow); None when there are two pools (the general boundary checks both).
+        pools = self._w_pools
+        one = None
+        if len(pools) == 1:
+            p = self._w_full
+            one = (p.allocator, p.page_size, p.shadow)
+        object.__setattr__(self, "_w_one_pool", one)
+
     def _sync_deltas(self) -> None:
         # Page deltas and ledger updates are built only while some sink reads them.
         want = self.bus.wants(ev.PageUpdate)
@@ -416,14 +436,18 @@ class InstrumentedAllocator:
                 raise ArgumentTypeError("lens", f"expected a sequence of ints, got {type(lens).__name__}")
             if len(lens) != len(rids):
                 raise ArgumentValueError("lens", f"has {len(lens)} entries for {len(rids)} requests")
-            lens = [check_int("lens", x) for x in lens]
+            # Plain non-negative ints (the usual lens) pass with two C-level scans; anything else is checked
+            # one by one, which names the bad entry.
+            if not (set(map(type, lens)) <= {int} and (not len(lens) or min(lens) >= 0)):
+                lens = [check_int("lens", x) for x in lens]
+        tls = self._w_tls
         with self._w_lock:
-            if self._w_bound is not None:
+            if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
-            # The slots as owner codes (int32 bytes): a decode compares the pages' owners to them in one memcmp.
-            own = slots.astype(np.int32).tobytes()
-            self._w_bound = (rids, slots, None if lens is None else np.asarray(lens, np.int64), own)
+            # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
+            # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
+            tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
@@ -455,14 +479,15 @@ class InstrumentedAllocator:
             st = self._w_st
             st.step += 1
             st.op = "step"
-            if self._w_pending:
+            pending = self._w_pending
+            if pending:
                 self._drain(wait=False)
-            if not self._w_pending:
-                pools = self._w_pools
-                if len(pools) == 1 and not self.ledger.dirty:
+            if not pending:
+                one = self._w_one_pool
+                if one is not None and not self.ledger.dirty:
                     # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
-                    pool = self._w_full
-                    if pool.allocator.available_size() // pool.page_size != pool.shadow.expected_entries:
+                    allocator, ps, shadow = one
+                    if allocator.available_size() // ps != shadow.expected_entries:
                         self._boundary_checks("step")
                 else:
                     self._boundary_checks("step")
@@ -581,7 +606,7 @@ class InstrumentedAllocator:
             else:
                 n = self._validate(op, check_int, "need_size", need_size)
             bound = getattr(self._w_tls, "bound", None)
-            if bound is not None and bound[2] is not None and int(bound[2].sum()) != n:
+            if bound is not None and bound[2] is not None and int(_ADD.reduce(bound[2])) != n:
                 self._invalid(
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
@@ -711,14 +736,16 @@ class InstrumentedAllocator:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
-            ps = self._w_ps
+            ps, shift = self._w_ps, self._w_shift
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
             ext = seq - prefix
             ceil_prefix = (prefix + ps - 1) // ps
             ceil_seq = (seq + ps - 1) // ps
             grow = ceil_seq - ceil_prefix
-            n_new = int(grow.sum())
+            # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
+            # Python (a microsecond each on a batch).
+            n_new = int(_ADD.reduce(grow))
             got = int(out.shape[0])
             if got != n:
                 self._violate(
@@ -728,10 +755,10 @@ class InstrumentedAllocator:
                 self._finish()
                 return out
             # Position of every returned slot, and whether it opens a page taken from the free list.
-            first = np.cumsum(ext) - ext
-            pos = np.arange(n, dtype=np.int64) + np.repeat(prefix - first, ext)
-            new_mask = pos >= np.repeat(ceil_prefix * ps, ext)
-            own = -1 if slots is None else np.repeat(slots, ext)
+            first = _ADD.accumulate(ext) - ext
+            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+            new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            own = -1 if slots is None else slots.repeat(ext)
             full, swa_pool = self._w_full, self._w_swa
             if slots is not None:
                 led = self.ledger
@@ -755,13 +782,26 @@ class InstrumentedAllocator:
                     self.ledger.owned["swa"][slots] += swa_grow
 
             def verify(o, s=None):
-                if ((o - pos) % ps).any():
+                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
+                if shift is not None:
+                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
+                else:
+                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
+                if misaligned:
                     self._misaligned(o, pos, own, op, "full")
-                self._report(full.shadow.on_alloc(o // ps, own, new_mask, n_new, op), "full", op)
+                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
+                if bad:
+                    self._report(bad, "full", op)
                 if s is not None:
-                    if ((s - swa_pos) % ps).any():
+                    if shift is not None:
+                        misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                    else:
+                        misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                    if misaligned:
                         self._misaligned(s, swa_pos, swa_own, op, "swa")
-                    self._report(swa_pool.shadow.on_alloc(s // ps, swa_own, swa_new, swa_n_new, op), "swa", op)
+                    bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                    if bad:
+                        self._report(bad, "swa", op)
 
             if swa_grow is not None:
                 self._slot_tier(verify, out, peer)
@@ -811,6 +851,8 @@ class InstrumentedAllocator:
                     if slots is not None:
                         self._emit_ledger(op, slots, bound[0])
                     self._emit_alloc(op, bs, int(n_new), dt)
+                    if self._w_swa is not None:
+                        self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
                 if self._w_st.events or self._w_to_raise:
                     self._finish()
                 return out
@@ -846,10 +888,10 @@ class InstrumentedAllocator:
             def verify(o, s=None):
                 # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
                 if shift is not None:
-                    misaligned = ((o - pos) & (ps - 1)).any()
+                    misaligned = np.count_nonzero((o - pos) & (ps - 1))
                     pages = o >> shift
                 else:
-                    misaligned = ((o - pos) % ps).any()
+                    misaligned = np.count_nonzero((o - pos) % ps)
                     pages = o // ps
                 if misaligned:
                     self._misaligned(o, pos, own, op, "full")
@@ -857,9 +899,15 @@ class InstrumentedAllocator:
                 if bad:
                     self._report(bad, "full", op)
                 if s is not None:
-                    if ((s - pos) % ps).any():
+                    if shift is not None:
+                        misaligned = np.count_nonzero((s - pos) & (ps - 1))
+                        spages = s >> shift
+                    else:
+                        misaligned = np.count_nonzero((s - pos) % ps)
+                        spages = s // ps
+                    if misaligned:
                         self._misaligned(s, pos, own, op, "swa")
-                    bad = swa_pool.shadow.on_alloc(s // ps, own, new_mask, n_new, op)
+                    bad = swa_pool.shadow.on_alloc(spages, own, new_mask, n_new, op)
                     if bad:
                         self._report(bad, "swa", op)
 
@@ -886,7 +934,7 @@ class InstrumentedAllocator:
             return False
         rids, slots, lens = bound[0], bound[1], bound[2]
         if lens is not None:
-            shares, own = lens, np.repeat(slots, lens)
+            shares, own = lens, slots.repeat(lens)
         elif len(rids) == 1:
             shares, own = n, np.full(n, slots[0], np.int64)
         elif len(rids) == n:
@@ -894,14 +942,10 @@ class InstrumentedAllocator:
         else:
             return False
         shadow = self._w_full.shadow
-        if o.min() < 1:
-            return False
-        try:
-            prev = shadow.owner[o]
-        except IndexError:
-            return False
+        # A slot outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
+        prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
-            return False  # handed out twice, or reserved: the general path reports it
+            return False  # handed out twice, reserved, or outside the pool: the general path reports it
         led = self.ledger
         for arr in led.owned.values():
             arr[slots] += shares
@@ -910,8 +954,9 @@ class InstrumentedAllocator:
         self._emit_ledger("alloc", slots, rids)
         shadow._set(o, own)
         shadow.expected_entries -= n
-        self._emit_alloc("alloc", n, n, dt)
-        self._finish()
+        if self.bus.active:
+            self._emit_alloc("alloc", n, n, dt)
+            self._finish()
         return True
 
     def _decode_consts(self, bs: int) -> tuple:
@@ -927,15 +972,18 @@ class InstrumentedAllocator:
                 np.ones(bs, np.int64),
                 np.full(bs, self._w_shift, np.int64),
                 np.full(bs, -1, np.int32),  # owner code of an unattributed slot
+                np.zeros(bs, np.int64),
+                np.full(bs, FREE, np.int32),
             )
             self._w_consts[bs] = c
         return c
 
     def _decode_fast(self, out, seq_lens_cpu, slots, bound, bs: int):
-        """Immediate verification of a decode on one pool with a power-of-two page size > 1, for the case where
-        every check passes: each slot sits at its position's offset in its page; a request that opens a page got
-        one that was free, every other continues in a page it owns. Then it applies what the general path applies
-        (ledger lengths and page counts, the shadow, the free count) and returns the number of pages opened.
+        """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
+        passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
+        position's offset in its page; a request that opens a page got one that was free, every other continues in
+        a page it owns. Then it applies what the general path applies (ledger lengths and page counts, the shadows,
+        the free counts) and returns the number of pages opened.
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size."""
@@ -943,7 +991,7 @@ class InstrumentedAllocator:
         seq = seq_lens_cpu.numpy()
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
-        mask, smask, one, shift, unowned = self._w_consts.get(bs) or self._decode_consts(bs)
+        mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
         at = seq - one  # the position each new slot holds
         at &= mask  # its offset in its page; 0: the request opens a page
         if (o & smask).tobytes() != at.tobytes():
@@ -954,30 +1002,58 @@ class InstrumentedAllocator:
             prev = shadow.owner[pages]
         except IndexError:
             return None  # a page past the end
+        swa = self._w_swa
+        if swa is not None:
+            # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
+            peers = self._w_inner.full_to_swa_index_mapping.numpy()[o]
+            if (peers & smask).tobytes() != at.tobytes():
+                return None
+            swa_pages = peers >> shift
+            swa_shadow = swa.shadow
+            try:
+                swa_prev = swa_shadow.owner[swa_pages]
+            except IndexError:
+                return None
         n_new = bs - np.count_nonzero(at)
+        if slots is None:
+            own = unowned  # owner codes (int32) of the pages, as they must read
+        else:
+            own = bound[3]
+            if own is None:
+                own = bound[3] = slots.astype(np.int32)
         if n_new == 0:
-            if prev.tobytes() != (unowned.tobytes() if slots is None else bound[3]):
+            own_b = own.tobytes()
+            if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 self.ledger.committed[slots] = seq
             if shadow.deltas is not None:
-                shadow._set(pages, -1 if slots is None else slots)
+                shadow._set(pages, own)
+            if swa is not None and swa_shadow.deltas is not None:
+                swa_shadow._set(swa_pages, own)
             return 0
-        opens = at == 0
-        own = unowned if slots is None else slots
-        # Openers must find their page free (code <= FREE, clipped to FREE); the others their own page.
-        if np.where(opens, np.maximum(prev, FREE), prev).tobytes() != np.where(opens, FREE, own).astype(
-            np.int32
-        ).tobytes():
+        opens = at == zero
+        # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
+        # own page (codes >= -1, which the clip leaves alone).
+        expect = own.copy()
+        expect[opens] = FREE
+        expect_b = expect.tobytes()
+        if np.maximum(prev, free).tobytes() != expect_b or (
+            swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
+        ):
             return None
+        if swa is not None:
+            swa_shadow._set(swa_pages, own)
+            swa_shadow.expected_entries -= n_new
         if slots is not None:
             led = self.ledger
             led.committed[slots] = seq
             openers = slots[opens]
             for arr in led.owned.values():
                 arr[openers] += 1
-            led.allocated[openers] = (seq[opens] + (self._w_ps - 1)) >> self._w_shift << self._w_shift
-        shadow._set(pages, -1 if slots is None else slots)
+            # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
+            led.allocated[openers] = (seq + mask)[opens]
+        shadow._set(pages, own)
         shadow.expected_entries -= n_new
         return n_new
 
@@ -1011,10 +1087,20 @@ class InstrumentedAllocator:
         forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
         with self._w_lock:
             self._w_st.op = op
-            if start_pos is _ABSENT:
-                self._validate(op, check_index_tensor, arg, index, self._w_device)
-            else:
-                self._segment_args(op, index, start_pos)
+            # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
+            # accepted inline; anything else goes through the full argument checks, which name the fault.
+            if not (
+                type(index) is torch.Tensor
+                and index.dtype is _TORCH_I64
+                and self._w_host
+                and index.is_cpu
+                and index.dim() == 1
+                and (start_pos is _ABSENT or (type(start_pos) is int and start_pos >= 0 and not start_pos % self._w_ps))
+            ):
+                if start_pos is _ABSENT:
+                    self._validate(op, check_index_tensor, arg, index, self._w_device)
+                else:
+                    self._segment_args(op, index, start_pos)
             if index.numel() == 0:
                 return forward()
             parts = parts_of(index, op)
@@ -1078,6 +1164,7 @@ class InstrumentedAllocator:
             object.__setattr__(self, "_w_pools", pools)
             object.__setattr__(self, "_w_full", pools["full"])
             object.__setattr__(self, "_w_swa", pools.get("swa"))
+            self._set_one_pool()
             self._sync_deltas()
             self._cleared()
             self._finish()
@@ -1114,48 +1201,66 @@ class InstrumentedAllocator:
             return result
 
     # -- free parts: (pool, fn(arrays) -> (pages, dedup, unmapped_mask), tensors) ---------------------------------
+    # Page ids from slots: a shift when the page size is a power of two (it floors negatives as // does, and
+    # costs less than a division).
     def _full_set_part(self, free_index) -> list:
         full = self._w_full
-        ps = self._w_ps
+        ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
+            if shift is not None:
+                return [(full, lambda idx: (idx >> shift, True, None), (free_index,))]
             return [(full, lambda idx: (idx // ps, True, None), (free_index,))]
         return [(full, lambda idx: (idx, False, None), (free_index,))]
 
     def _full_segment_part(self, free_index):
         full = self._w_full
-        ps = self._w_ps
+        ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
+            if shift is not None:
+                return (full, lambda idx: (idx[::ps] >> shift, False, None), (free_index,))
             return (full, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
         return (full, lambda idx: (idx, False, None), (free_index,))
 
     def _peers_at(self, full_slots):
-        """SWA peers of freed full slots. Slot values outside the mapping (a free_unallocated fault the full
-        part reports) read as no live peer (0 or the -1 sentinel) instead of failing the lookup. No sync."""
+        """SWA peers of freed full slots, read before the inner clears them. Slot values outside the mapping (a
+        free_unallocated fault the full part reports) read as no live peer (0 or the -1 sentinel) instead of
+        failing the lookup. No sync: immediate mode (host tensors only) gathers from a numpy view of the
+        mapping (``take(mode="clip")`` is the clamp), deferred mode with device ops. ``full_slots`` is a
+        tensor, or in immediate mode its numpy view."""
         mapping = self._w_inner.full_to_swa_index_mapping
+        if not self._w_deferred:
+            idx = full_slots if type(full_slots) is np.ndarray else full_slots.numpy()
+            return mapping.numpy().take(idx, mode="clip")
         return mapping[full_slots.to(torch.int64).clamp(0, mapping.shape[0] - 1)]
 
     def _swa_set_part(self, free_index) -> list:
         swa = self._w_swa
         ps = self._w_ps
-        idx = free_index.to(torch.int64)
+        if not self._w_deferred:
+            idx = free_index.numpy().astype(np.int64, copy=False)
+            if ps > 1:
+                idx = ((idx // ps * ps)[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+        else:
+            idx = free_index.to(torch.int64)
+            if ps > 1:
+                idx = ((idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)).reshape(-1)
+        peers = self._peers_at(idx)
         if ps == 1:
-            peers = self._peers_at(idx)
             return [(swa, lambda p: self._peers_mapped(p, "free_swa"), (peers,))]
-        expanded = (idx // ps * ps)[:, None] + torch.arange(ps, dtype=torch.int64, device=idx.device)
-        peers = self._peers_at(expanded.reshape(-1))
         return [(swa, lambda p: (p[p > 0] // ps, True, None), (peers,))]
 
     def _swa_segment_part(self, free_index, op):
         swa = self._w_swa
         ps = self._w_ps
-        peers = self._peers_at(free_index[::ps])
+        reps = free_index.numpy()[::ps] if not self._w_deferred else free_index[::ps]
+        peers = self._peers_at(reps)
         return (swa, lambda p: self._peers_mapped(p, op), (peers,))
 
     def _peers_mapped(self, peers: np.ndarray, op: str):
         """SWA peers of page representatives must be mapped (> 0) when their SWA KV is freed."""
         ps = self._w_ps
         unmapped = peers <= 0
-        if unmapped.any():
+        if np.count_nonzero(unmapped):
             self._violate(
                 "swa_mapping_inconsistent",
                 f"{op}: {int(np.count_nonzero(unmapped))} of {peers.size} full pages have no live SWA peer "
@@ -1164,7 +1269,8 @@ class InstrumentedAllocator:
                 pool="swa",
             )
             return peers // ps, False, unmapped
-        return peers // ps, False, None
+        shift = self._w_shift
+        return (peers >> shift if shift is not None else peers // ps), False, None
 
     def _peer_released_check(self, free_index, op):
         peers = self._peers_at(free_index)
@@ -1173,7 +1279,7 @@ class InstrumentedAllocator:
 
         def check(p, idx):
             still = p > 0
-            if still.any():
+            if np.count_nonzero(still):
                 pages = idx[still] // ps
                 owners = full.owner[pages[(pages >= 0) & (pages < full.owner.size)]]
                 slot = int(owners[owners >= 0][0]) if (owners >= 0).any() else -1
@@ -1213,6 +1319,8 @@ class InstrumentedAllocator:
     def _free(self, op: str, forward: Callable, parts: list):
         """Check (pre-call when the indices are on the host), forward, mirror. See the module contract."""
         self._w_st.op = op
+        if not self._w_deferred:
+            return self._free_now(op, forward, parts)
         timing = [0.0]  # wall time of the inner call alone, for the Free events
 
         def plan_all(arrays_per_part):
@@ -1241,40 +1349,70 @@ class InstrumentedAllocator:
             finally:
                 timing[0] = self._w_clock() - t0
 
-        if not self._w_deferred:
-            plans = plan_all([tuple(t.numpy() for t in tensors) for _, _, tensors in parts])
-            if self._w_raise and self._w_to_raise:
-                self._finish()  # raises: the inner allocator never sees the bad free
-            # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free).
-            before = [p.entries() for p in self._w_pools.values()]
-            clock = self._w_clock
-            t0 = clock()
-            try:
-                result = forward()
-            except BaseException:
-                timing[0] = clock() - t0
-                if before != [p.entries() for p in self._w_pools.values()]:
-                    apply_all(plans)
-                    self._deliver()
-                raise
-            timing[0] = clock() - t0
-            apply_all(plans)
-        else:
-            tensors = [t for _, _, ts in parts for t in ts]
-            shapes = [len(ts) for _, _, ts in parts]
+        tensors = [t for _, _, ts in parts for t in ts]
+        shapes = [len(ts) for _, _, ts in parts]
 
-            def deferred(*arrays):
-                grouped, i = [], 0
-                for k in shapes:
-                    grouped.append(arrays[i : i + k])
-                    i += k
-                apply_all(plan_all(grouped))
+        def deferred(*arrays):
+            grouped, i = [], 0
+            for k in shapes:
+                grouped.append(arrays[i : i + k])
+                i += k
+            apply_all(plan_all(grouped))
 
-            with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
-                result = timed_forward()
-            self._slot_tier(deferred, *tensors)
+        with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
+            result = timed_forward()
+        self._slot_tier(deferred, *tensors)
         self._finish()
         return result
+
+    def _free_now(self, op: str, forward: Callable, parts: list):
+        """``_free`` with immediate verification (host tensors): check every part before the call (raise mode
+        refuses a bad free there), forward, mirror. Written out without closures: this is every free's path."""
+        plans = []
+        for pool, fn, arrays in parts:
+            if len(arrays) == 1:
+                a = arrays[0]
+                r = fn(a if type(a) is np.ndarray else a.numpy())
+            else:
+                r = fn(*(a if type(a) is np.ndarray else a.numpy() for a in arrays))
+            if pool is None or r is None:
+                continue
+            pages, dedup, unmapped = r
+            bad, plan = pool.shadow.plan_free(pages, dedup=dedup, op=op, unmapped=unmapped)
+            if bad:
+                self._report(bad, pool.name, op)
+            plans.append((pool, plan))
+        if self._w_raise and self._w_to_raise:
+            self._finish()  # raises: the inner allocator never sees the bad free
+        # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
+        # and paged allocators change nothing when their free raises: no counts to capture for them.
+        pools = self._w_pools.values()
+        before = None if self._w_atomic_free else [p.entries() for p in pools]
+        timed = self.bus.active
+        clock = self._w_clock
+        t0 = clock() if timed else 0.0
+        try:
+            result = forward()
+        except BaseException:
+            if before is not None and before != [p.entries() for p in pools]:
+                self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
+                self._deliver()
+            raise
+        self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
+        if timed or self._w_to_raise or self._w_st.events:
+            self._finish()
+        return result
+
+    def _apply_frees(self, op: str, plans: list, duration: float) -> None:
+        if len(plans) == 1:
+            pool, plan = plans[0]
+            owners = pool.shadow.apply_free(plan)
+            if owners.size == 1:
+                self._after_free_one(op, (pool, owners, plan[3]), duration)
+            else:
+                self._after_free(op, [(pool, owners, plan[3])], duration)
+        else:
+            self._after_free(op, [(pool, pool.shadow.apply_free(plan), plan[3]) for pool, plan in plans], duration)
 
     @contextlib.contextmanager
     def _mirror_on_failure(self, mirror: Callable):
@@ -1291,7 +1429,7 @@ class InstrumentedAllocator:
 
     def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
         """Ledger and events after a free. ``touched``: (pool, distinct owner slots, entries) per pool."""
-        if len(touched) == 1 and touched[0][1].size == 1 and touched[0][0].name == "full":
+        if len(touched) == 1 and touched[0][1].size == 1:
             return self._after_free_one(op, touched[0], duration)
         led = self.ledger
         ps = self._w_ps
@@ -1325,31 +1463,43 @@ class InstrumentedAllocator:
             self._emit_ledger(op, slots)
 
     def _after_free_one(self, op: str, touched, duration: float) -> None:
-        """``_after_free`` for the usual free: one request's pages in the one (full) pool, in Python ints."""
+        """``_after_free`` for the usual free: one request's pages in one pool, in Python ints."""
         pool, owners, n_entries = touched
         led = self.ledger
         s = int(owners[0])
-        cap = int(led.owned["full"][s]) * self._w_ps
-        allocated = min(int(led.allocated[s]), cap)
-        led.allocated[s] = allocated
-        led.committed[s] = min(int(led.committed[s]), allocated)
-        if self.bus.active:
-            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=(led.rid_of(s),), duration=duration)
-        if all(arr[s] <= 0 for arr in led.owned.values()):
+        if pool.name == "full":
+            # The request's allocated length follows its full-pool pages when they shrink.
+            cap = led.owned["full"].item(s) * self._w_ps
+            allocated = led.allocated.item(s)
+            if allocated > cap:
+                led.allocated[s] = allocated = cap
+            if led.committed.item(s) > allocated:
+                led.committed[s] = allocated
+        timed = self.bus.active
+        if timed:
+            rids = (led.rid_of(s),)
+            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=rids, duration=duration)
+        for arr in led.owned.values():
+            if arr.item(s) > 0:
+                break
+        else:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        self._emit_ledger(op, owners)
+        if timed:
+            self._emit_ledger(op, owners, rids)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
         """Run ``fn`` on host views of ``tensors``: now (CPU, immediate) or, in call order, once their
-        non-blocking copies have landed (deferred)."""
+        non-blocking copies have landed (deferred). Immediate mode may pass numpy arrays already on the host
+        (what ``_swa_peer`` and ``_peers_at`` return there)."""
         if not self._w_deferred:
             if len(tensors) == 1:
-                fn(tensors[0].numpy())
+                t = tensors[0]
+                fn(t if type(t) is np.ndarray else t.numpy())
             else:
-                fn(*(t.numpy() for t in tensors))
+                fn(*(t if type(t) is np.ndarray else t.numpy() for t in tensors))
             return
         event = None
         if self._w_cuda and tensors:
@@ -1382,7 +1532,13 @@ class InstrumentedAllocator:
         self._w_st.op = current
 
     def _swa_peer(self, full_slots):
-        return self._w_inner.full_to_swa_index_mapping[full_slots.to(torch.int64)]
+        """SWA peers of handed-out full slots, read after the call. Immediate mode (host tensors only): a numpy
+        gather on a view of the mapping (a torch index costs microseconds of dispatch); deferred: a device op
+        whose result the slot tier copies without a sync."""
+        mapping = self._w_inner.full_to_swa_index_mapping
+        if not self._w_deferred:
+            return mapping.numpy()[full_slots.numpy().astype(np.int64, copy=False)]
+        return mapping[full_slots.to(torch.int64)]
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _validate(self, op: str, check: Callable, *args, **kwargs):
@@ -1535,9 +1691,10 @@ class InstrumentedAllocator:
 
     def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
         for pool in self._w_pools.values():
-            bad = pool.shadow.check_count(pool.entries(), op)
-            if bad:
-                self._report(bad, pool.name, op)
+            shadow = pool.shadow
+            entries = pool.allocator.available_size() // pool.page_size
+            if entries != shadow.expected_entries:  # check_count only on a mismatch (it reports, then resyncs)
+                self._report(shadow.check_count(entries, op), pool.name, op)
         if every_request or self.ledger.dirty:
             self._check_ledger_pages(op, every_request)
 
@@ -1564,8 +1721,10 @@ class InstrumentedAllocator:
         reported = self._w_mismatch_reported
         for name, want in checks:
             have = led.owned[name][slots]
-            bad = np.flatnonzero(have != want)
-            for i in bad:
+            differ = have != want
+            if not np.count_nonzero(differ):
+                continue  # the usual boundary (np.flatnonzero is a Python-level wrapper: only on a mismatch)
+            for i in np.flatnonzero(differ):
                 s = int(slots[i])
                 if s in led.tainted:
                     continue  # its root cause (a rejected ledger write) was reported already
