@@ -28,11 +28,13 @@ from hypothesis import strategies as st
 
 import exporters.recorder as recorder_mod
 from exporters.recorder import (
+    FORMAT_VERSION,
     FlightRecorder,
     RecorderError,
     Recording,
     RecordingError,
     RecordingNotFoundError,
+    RecordingVersionError,
     decode_event,
     encode_event,
 )
@@ -475,6 +477,28 @@ def test_not_a_recording_is_a_clear_error(tmp_path):
     assert empty.stat().st_size == 0
 
 
+def test_other_format_versions_are_a_clear_error(tmp_path):
+    # A version-1 recording (one row per event) or one from a newer writer: the error names the file and both
+    # versions; a writer may still replace such a file with overwrite=True.
+    e = Engine("paged-4", False, "immediate")
+    for version, word in ((1, "older"), (FORMAT_VERSION + 1, "newer")):
+        path = tmp_path / f"v{version}.db"
+        FlightRecorder(e.w, path).close()
+        with sqlite3.connect(path) as c:
+            c.execute("UPDATE meta SET value = ? WHERE key = 'format_version'", (str(version),))
+        with pytest.raises(RecordingVersionError) as info:
+            Recording(path)
+        assert str(info.value).startswith(
+            f"{path}: recording format version {version} is {word} than this reader's ({FORMAT_VERSION})"
+        )
+        assert isinstance(info.value, RecordingError)
+        with pytest.raises(RecorderError, match="a recording exists there"):
+            FlightRecorder(e.w, path)
+        FlightRecorder(e.w, path, overwrite=True).close()
+        with Recording(path) as r:
+            assert r.meta["format_version"] == FORMAT_VERSION == 2
+
+
 def test_missing_step_is_a_clear_error(tmp_path):
     e = Engine("paged-4", False, "immediate")
     with FlightRecorder(e.w, tmp_path / "r.db", snapshot_every=2) as rec:
@@ -606,14 +630,14 @@ def test_retention_by_bytes_bounds_the_file(tmp_path):
             if e.w.step_count % 10 == 0:
                 rec.flush()
 
-        drive(e, RandomPick(5), 600, on_step)
+        drive(e, RandomPick(5), 1000, on_step)
         rec.close()
         return path, snaps, e
 
     unbounded, _, _ = run(None)
-    path, snaps, e = run(128 * 1024)
-    assert unbounded.stat().st_size > 3 * 128 * 1024
-    assert path.stat().st_size <= 2 * 128 * 1024
+    path, snaps, e = run(64 * 1024)
+    assert unbounded.stat().st_size > 3 * 64 * 1024
+    assert path.stat().st_size <= 2 * 64 * 1024
     with Recording(path) as r:
         first, last = r.steps()
         assert first > 0 and last == e.w.step_count
