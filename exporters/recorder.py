@@ -5,7 +5,7 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
   allocator call that produced the batch. It never blocks and never raises: it puts the batch (each frozen event as
   its class and instance dict, whose arrays the wrapper copied for it) on a bounded queue (``_Queue``: a deque
-  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) with ``put_nowait`` and
+  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) without waiting, and
   returns False when the queue is full or the recorder stopped, so the bus counts the refused events in
   ``alloc.bus.dropped["recorder"]``.
   On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
@@ -17,13 +17,14 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - File (format version 2): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
   ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
   one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
-  together (``_BlockWriter``), with the columns the queries need (seq range, step, event count and kinds per
-  kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
+  together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
+  per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
   under one request id. A reader opens version 2 only: another version raises ``RecordingVersionError`` naming
-  the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished file back to a single-file
-  rollback journal when no reader holds it. Schema and initial snapshot (the state when recording started, so that
-  replay always has a base) are committed before the constructor returns. An existing recording at ``path`` is
-  replaced only with ``overwrite=True``; any other existing file is never replaced.
+  the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
+  file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
+  when recording started, so that replay always has a base) are committed before the constructor returns. An
+  existing recording at ``path`` is replaced only with ``overwrite=True``; any other existing file is never
+  replaced.
 - Ordering: events are written in ``seq`` order, each batch and its snapshot in one transaction. A violation is
   committed as soon as it is written; other events are committed every ``flush_interval`` seconds or every
   ``_COMMIT_ROWS`` rows, whichever comes first. Durability: ``synchronous=NORMAL``: a killed process loses nothing
@@ -59,6 +60,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import operator
 import os
 import queue
 import sqlite3
@@ -85,7 +87,7 @@ FORMAT_VERSION = 2  # 2: events stored in blocks (one row per step and call run)
 SINK_NAME = "recorder"
 
 _COMMIT_ROWS = 5000  # events written since the last commit that force one
-_COMPRESS_OVER = 512  # payloads larger than this many bytes are zlib-compressed
+_COMPRESS_OVER = 4096  # payloads larger than this many bytes are zlib-compressed
 _BLOCK_EVENTS = 512  # events of one block at most
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
@@ -260,25 +262,28 @@ def _json(doc) -> str:
     return "".join(_C_ENCODER(doc, 0))
 
 
+_I2_MIN, _I2_MAX = -(2**15), 2**15 - 1
 _I4_MIN, _I4_MAX = -(2**31), 2**31 - 1
-_LE = {"<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
+_LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores the fields of one event class: ``names`` in dataclass order, the positions of the
-    fields that may hold arrays (annotated ``Any``), of ``rid``, of a ``rids`` tuple and of a ``violation``."""
+    """How the writer stores one event class: ``get`` reads (seq, ts, *fields in dataclass order) from an instance
+    dict; the row positions (3 + field index) of the fields that may hold arrays (annotated ``Any``), of ``rid``,
+    of a ``rids`` tuple and of a ``violation``."""
 
-    __slots__ = ("bit", "code", "maybe_arrays", "names", "rid", "rids", "violation")
+    __slots__ = ("arrays", "boundary", "code", "get", "rid", "rids", "violation")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
-        self.bit = 1 << self.code
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
-        self.names = tuple(f.name for f in fields)
-        self.maybe_arrays = tuple(i for i, f in enumerate(fields) if f.type in ("Any", Any))
-        self.rid = self.names.index("rid") if "rid" in self.names else None
-        self.rids = self.names.index("rids") if "rids" in self.names else None
-        self.violation = self.names.index("violation") if "violation" in self.names else None
+        names = [f.name for f in fields]
+        self.get = operator.itemgetter("seq", "ts", *names)
+        self.arrays = tuple(3 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
+        self.rid = 3 + names.index("rid") if "rid" in names else None
+        self.rids = 3 + names.index("rids") if "rids" in names else None
+        self.violation = 3 + names.index("violation") if "violation" in names else None
+        self.boundary = cls is ev.StepBoundary
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -298,115 +303,117 @@ class _BlockWriter:
     ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
     (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
     body = u32 header length + header JSON + the little-endian bytes of every array of the block, concatenated.
-    Header: ``e``: one ``[code, seq - the block's first seq, ts, values]`` per event (``values``: the fields in
-    dataclass order, an array as null), with a fifth element, the bit mask of the fields that are arrays, when
-    there are any; ``a``: ``[dtype, stored dtype, shape]`` per array, in order. Seq and step are the row's
-    columns (a copy with both shifted reads as shifted). Integer arrays are stored together, as int32 when every
-    value of the block fits, else int64."""
+    Header: ``e``: one ``[code, seq - the block's first seq, ts, *fields]`` per event (fields in dataclass order;
+    an array as null, a ``rids`` tuple as its index in ``r``), followed, when some fields are arrays, by the bit
+    mask of those fields; ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
+    ``a``: ``[dtype, stored dtype, shape]`` per array, in order. Seq and step are the row's columns (a copy with
+    both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
+    that holds every value of the block."""
 
-    __slots__ = (
-        "arrays",
-        "available",
-        "boundary",
-        "counts",
-        "first",
-        "kinds",
-        "last",
-        "n",
-        "rid_cache",
-        "rids",
-        "rows",
-        "step",
-    )
+    __slots__ = ("arrays", "available", "boundary", "first", "rid_cache", "rids", "rindex", "rjson", "rows", "step")
 
-    def __init__(self, step: int, rid_cache: dict | None):
-        self.first = None
-        self.last = None
+    def __init__(self, step: int, first: int, rid_cache: dict | None):
         self.step = step
-        self.n = 0
-        self.kinds = 0
-        self.counts: dict = {}
+        self.first = first
         self.boundary = None
         self.available = None
         self.rows: list = []
         self.arrays: list = []
-        self.rids: set = set()
+        self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
+        self.rindex: dict = {}  # id(rids tuple) -> its index in rjson
+        self.rjson: list = []
         self.rid_cache = rid_cache
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
 
     def add(self, cls: type, d: Mapping) -> None:
         """Add one event given as its class and instance dict (its step must be ``self.step``)."""
         p = _PLANS.get(cls) or _plan(cls)
-        vals = [d[n] for n in p.names]
+        row = [p.code, *p.get(d)]
+        row[1] -= self.first
         mask = 0
-        for i in p.maybe_arrays:
-            v = vals[i]
+        for i in p.arrays:
+            v = row[i]
             if isinstance(v, np.ndarray):
                 self.arrays.append(v)
-                vals[i] = None
-                mask |= 1 << i
+                row[i] = None
+                mask |= 1 << (i - 3)
         rid = None
-        if p.rid is not None:
-            vals[p.rid] = rid = _rid(vals[p.rid])
-        if p.rids is not None:
-            rids = vals[p.rids]
+        i = p.rid
+        if i is not None:
+            row[i] = rid = _rid(row[i])
+        i = p.rids
+        if i is not None:
+            rids = row[i]
             if type(rids) is tuple:
-                vals[p.rids] = self._rids(rids)
+                k = self.rindex.get(id(rids))
+                if k is None:
+                    k = self.rindex[id(rids)] = len(self.rjson)
+                    self.rjson.append(self._rids_json(rids))
+                row[i] = k
                 if len(rids) == 1:
                     rid = _rid(rids[0])
-        if p.violation is not None:
-            v = vals[p.violation]
+            elif isinstance(rids, int):
+                row[i] = repr(rids)  # an int here would read as an index into "r"
+        i = p.violation
+        if i is not None:
+            v = row[i]
             if isinstance(v, Violation):
-                vals[p.violation] = _violation_doc(v)
+                row[i] = _violation_doc(v)
                 rid = _rid(v.rid)
-        seq = d["seq"]
-        if self.first is None:
-            self.first = seq
-        off = seq - self.first
-        self.rows.append([p.code, off, d["ts"], vals, mask] if mask else [p.code, off, d["ts"], vals])
-        self.last = seq
-        self.n += 1
-        self.kinds |= p.bit
-        self.counts[p.code] = self.counts.get(p.code, 0) + 1
+        if mask:
+            row.append(mask)
+        self.rows.append(row)
         if rid is not None:
             self.rids.add(rid)
-        if cls is ev.StepBoundary:
-            self.boundary = seq
+        if p.boundary:
+            self.boundary = d["seq"]
             self.available = _json(d["available"])
 
-    def _rids(self, rids: tuple):
-        """A ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object every step,
-        so the conversion is cached by identity, then by value."""
+    def _rids_json(self, rids: tuple) -> str:
+        """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
+        every step, so the writer caches it by identity (``rid_cache``, which holds the tuple: its id is not
+        reused while cached)."""
         cache = self.rid_cache
         if cache is not None:
             hit = cache.get(id(rids))
             if hit is not None and hit[0] is rids:
                 return hit[1]
-        out = [_rid(r) for r in rids]
+        out = _json([_rid(r) for r in rids])
         if cache is not None:
             if len(cache) >= 256:
                 cache.clear()
-            cache[id(rids)] = (rids, out)  # holds the tuple: its id is not reused while cached
+            cache[id(rids)] = (rids, out)
         return out
 
     def row(self, deflate=None) -> tuple:
         """(seq, last, step, n, kinds, counts, boundary, available, payload) of the ``blocks`` table.
         ``deflate``: the writer's raw deflate compressor (``_deflater()``), reused from block to block (a new one
         costs more than compressing a block): every block ends with a full flush, so each decompresses alone."""
+        rows = self.rows
         seg = b""
-        ameta = []
+        ameta = "[]"
         arrays = self.arrays
         if arrays:
-            if all((a.dtype.kind in "iu" and a.dtype.itemsize < 8) or a.dtype.kind == "i" for a in arrays):
+            dtypes = [a.dtype for a in arrays]
+            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dtypes):
                 flat = arrays[0].ravel() if len(arrays) == 1 else np.concatenate([a.ravel() for a in arrays])
-                fits = flat.size == 0 or (int(flat.min()) >= _I4_MIN and int(flat.max()) <= _I4_MAX)
-                store = "<i4" if fits else "<i8"
+                lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+                if lo >= _I2_MIN and hi <= _I2_MAX:
+                    store = "<i2"
+                elif lo >= _I4_MIN and hi <= _I4_MAX:
+                    store = "<i4"
+                else:
+                    store = "<i8"
                 seg = flat.astype(store).tobytes()
-                ameta = [[a.dtype.str, store, a.shape] for a in arrays]
+                ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
             else:
-                stores = [a.dtype.newbyteorder("<") for a in arrays]
+                stores = [d.newbyteorder("<") for d in dtypes]
                 seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
-                ameta = [[a.dtype.str, st.str, a.shape] for a, st in zip(arrays, stores)]
-        head = _json({"e": self.rows, "a": ameta}).encode()
+                ameta = _json([[d.str, st.str, a.shape] for d, st, a in zip(dtypes, stores, arrays)])
+        head = f'{{"e":{_json(rows)},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
         body = b"".join((struct.pack("<I", len(head)), head, seg))
         payload = b"B" + body
         if len(body) > _COMPRESS_OVER:
@@ -414,10 +421,24 @@ class _BlockWriter:
             z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
             if len(z) < len(body):
                 payload = b"D" + z
+        counts = collections.Counter(r[0] for r in rows)
+        kinds = 0
+        for code in counts:
+            kinds |= 1 << code
+        last = self.first + rows[-1][1]
         return (
-            self.first, self.last, self.step, self.n, self.kinds, _json(self.counts), self.boundary, self.available,
-            payload,
-        )
+            self.first, last, self.step, len(rows), kinds, _json(counts), self.boundary, self.available, payload,
+        )  # fmt: skip
+
+
+_DTYPE_STR: dict = {}
+
+
+def _dtype_str(d: np.dtype) -> str:
+    s = _DTYPE_STR.get(d)
+    if s is None:
+        s = _DTYPE_STR[d] = d.str
+    return s
 
 
 def _deflater():
@@ -449,28 +470,33 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         pos += count * st.itemsize
     if pos != len(body):
         raise ValueError(f"block arrays take {pos - 4 - n} bytes, the block has {len(body) - 4 - n}")
+    rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
     out = []
     it = iter(arrays)
     make = ev.make
     for row in doc["e"]:
-        code, seq, ts, vals = row[0], first + row[1], row[2], row[3]
-        cls = classes[code]
+        cls = classes[row[0]]
         if cls is None:
-            raise ValueError(f"unknown event kind code {code}")
+            raise ValueError(f"unknown event kind code {row[0]}")
         fields = _fields_of(cls)
+        nf = len(fields)
+        if len(row) not in (3 + nf, 4 + nf):
+            raise ValueError(f"a {cls.__name__} row has {len(row)} items")
+        mask = row[3 + nf] if len(row) > 3 + nf else 0
         kw = {}
-        for (name, is_tuple), v in zip(fields, vals):
-            if isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
-                v = _tuplify(v)
+        for i, (name, is_tuple) in enumerate(fields):
+            if mask >> i & 1:
+                v = next(it)
+            else:
+                v = row[3 + i]
+                if name == "rids" and type(v) is int:
+                    v = rlists[v]
+                elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
+                    v = _tuplify(v)
             kw[name] = v
-        if len(row) > 4:
-            mask = row[4]
-            for i, (name, _) in enumerate(fields):
-                if mask >> i & 1:
-                    kw[name] = next(it)
         if isinstance(kw.get("violation"), dict):
             kw["violation"] = Violation(**kw["violation"])
-        out.append(make(cls, seq, ts, step, kw))
+        out.append(make(cls, first + row[1], row[2], step, kw))
     return out
 
 
@@ -478,7 +504,7 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     """(kind, rid, payload) of one event stored alone: its kind name, the request id it is stored under (the
     ``rids`` table: its ``rid``, its violation's, or the one request of a single-request call; else None) and a
     block payload of that one event (see ``_BlockWriter``). The writer stores blocks of many events the same way."""
-    b = _BlockWriter(e.step, cache)
+    b = _BlockWriter(e.step, e.seq, cache)
     b.add(type(e), e.__dict__)
     rid = next(iter(b.rids)) if b.rids else None
     return type(e).__name__, rid, b.row()[-1]
@@ -750,8 +776,13 @@ class FlightRecorder:
         snap = None
         boundary = None
         urgent = False
+        # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
+        # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
+        # would survive into the older generations and make full collections more frequent.
+        items = []
         for e in batch:
             t = type(e)
+            items.append((t, e.__dict__))
             if t is ev.StepBoundary:
                 boundary = e
             elif t is ev.ViolationEvent:
@@ -772,18 +803,16 @@ class FlightRecorder:
                 self._due = snap is None
                 if snap is not None:
                     self._since_snap_queued = 0
-        try:
-            # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
-            # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
-            # would survive into the older generations and make full collections more frequent.
-            self._queue.put_nowait(([(type(e), e.__dict__) for e in batch], snap, lost))
-            if urgent or self._queue.qsize() >= self._wake_at:
-                self._wake.set()
-        except queue.Full:
+        q = self._queue
+        pending = q._items  # _Queue.put_nowait, inline (one call per allocator call)
+        if len(pending) >= q.maxsize:
             self._wake.set()
             self._gap_from = gap_from if gap_from is not None else first
             self._due = True
             return False
+        pending.append((items, snap, lost))
+        if urgent or len(pending) >= self._wake_at:
+            self._wake.set()
         self._gap_from = None
         self._next_seq = batch[-1].seq + 1
         if snap is not None:
@@ -958,7 +987,7 @@ class FlightRecorder:
             marker = EventsLost(
                 seq=hi, ts=head["ts"], step=head["step"], first_seq=lo, last_seq=hi, n_events=hi - lo + 1
             )
-            blk = self._block_for(blk, EventsLost, head["step"])
+            blk = self._block_for(blk, EventsLost, head["step"], hi)
             blk.add(EventsLost, marker.__dict__)
             n += 1
         for cls, d in batch:
@@ -968,10 +997,10 @@ class FlightRecorder:
             if (
                 blk is None
                 or step != blk.step
-                or blk.n >= _BLOCK_EVENTS
+                or len(blk.rows) >= _BLOCK_EVENTS
                 or (cls is ev.StepBoundary and blk.boundary is not None)
             ):
-                blk = self._block_for(blk, cls, step)
+                blk = self._block_for(blk, cls, step, d["seq"])
             blk.add(cls, d)
             n += 1
             if cls is ev.ViolationEvent:
@@ -991,14 +1020,14 @@ class FlightRecorder:
             self._want_snapshot = True
         return bool(vrows)
 
-    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int) -> _BlockWriter:
+    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int) -> _BlockWriter:
         """A block that takes an event of ``cls`` at ``step``: ``blk`` when it can, else a new one (``blk`` is
         closed: one step per block, at most one step boundary, at most ``_BLOCK_EVENTS`` events)."""
         if blk is not None and blk.n:
             if step == blk.step and blk.n < _BLOCK_EVENTS and not (cls is ev.StepBoundary and blk.boundary is not None):
                 return blk
             self._close_block(blk)
-        blk = self._block = _BlockWriter(step, self._rids_cache)
+        blk = self._block = _BlockWriter(step, seq, self._rids_cache)
         return blk
 
     def _close_block(self, blk: _BlockWriter) -> None:
