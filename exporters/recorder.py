@@ -4,10 +4,10 @@ SQLite file (``FlightRecorder``), and its reader (``Recording``).
 Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
   allocator call that produced the batch. It never blocks and never raises: it puts the batch (each frozen event as
-  its class and instance dict, whose arrays the wrapper copied for it) on a bounded queue (``_Queue``: a deque
-  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) without waiting, and
-  returns False when the queue is full or the recorder stopped, so the bus counts the refused events in
-  ``alloc.bus.dropped["recorder"]``.
+  its class and instance dict, whose arrays the wrapper copied for it, in one flat list) on a bounded queue
+  (``_Queue``: a deque with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink)
+  without waiting, and returns False when the queue is full or the recorder stopped, so the bus counts the refused
+  events in ``alloc.bus.dropped["recorder"]``.
   On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
   or when retention wants a newer base) it also takes ``alloc.snapshot()`` (host copies of the owner arrays) and
   queues it with the boundary's seq (``snapshot(wait=False)``: deferred device checks still in flight are not
@@ -776,13 +776,14 @@ class FlightRecorder:
         snap = None
         boundary = None
         urgent = False
-        # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
-        # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
-        # would survive into the older generations and make full collections more frequent.
+        # Queued as one flat list [class, instance dict, class, instance dict, ...]: the event objects themselves
+        # die with the call, and the dicts (atomic values, arrays) are untracked by the garbage collector at its
+        # first look. Queued event objects (or a (class, dict) tuple per event) would survive into the older
+        # generations and make full collections (of every object of the process) more frequent.
         items = []
         for e in batch:
             t = type(e)
-            items.append((t, e.__dict__))
+            items += (t, e.__dict__)
             if t is ev.StepBoundary:
                 boundary = e
             elif t is ev.ViolationEvent:
@@ -891,14 +892,14 @@ class FlightRecorder:
                 if isinstance(item, _Flush):
                     item.done.set()
                 elif isinstance(item, tuple):
-                    self.lost_events += len(item[0])
+                    self.lost_events += len(item[0]) // 2
                 continue
             try:
                 if isinstance(item, tuple):
                     if not in_txn:
                         conn.execute("BEGIN")
                         in_txn = True
-                    uncommitted += len(item[0])
+                    uncommitted += len(item[0]) // 2
                     urgent = self._write(*item)
                     if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
                         self._insert_rows()
@@ -983,14 +984,15 @@ class FlightRecorder:
         blk = self._block
         if lost is not None:
             lo, hi = lost
-            head = batch[0][1]
+            head = batch[1]
             marker = EventsLost(
                 seq=hi, ts=head["ts"], step=head["step"], first_seq=lo, last_seq=hi, n_events=hi - lo + 1
             )
             blk = self._block_for(blk, EventsLost, head["step"], hi)
             blk.add(EventsLost, marker.__dict__)
             n += 1
-        for cls, d in batch:
+        it = iter(batch)
+        for cls, d in zip(it, it):
             if cls is ev.Snapshot:
                 continue
             step = d["step"]
