@@ -306,7 +306,8 @@ class _BlockWriter:
     Header: ``e``: one ``[code, seq - the block's first seq, ts, *fields]`` per event (fields in dataclass order;
     an array as null, a ``rids`` tuple as its index in ``r``), followed, when some fields are arrays, by the bit
     mask of those fields; ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
-    ``a``: ``[dtype, stored dtype, shape]`` per array, in order. Seq and step are the row's columns (a copy with
+    ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
+    ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
     both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
     that holds every value of the block."""
 
@@ -399,7 +400,11 @@ class _BlockWriter:
         if arrays:
             dtypes = [a.dtype for a in arrays]
             if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dtypes):
-                flat = arrays[0].ravel() if len(arrays) == 1 else np.concatenate([a.ravel() for a in arrays])
+                flat_1d = all(a.ndim == 1 for a in arrays)
+                if len(arrays) == 1:
+                    flat = arrays[0].ravel()
+                else:
+                    flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
                 lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
                 if lo >= _I2_MIN and hi <= _I2_MAX:
                     store = "<i2"
@@ -408,7 +413,10 @@ class _BlockWriter:
                 else:
                     store = "<i8"
                 seg = flat.astype(store).tobytes()
-                ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
+                if flat_1d:
+                    ameta = _json([store, [_dtype_str(d) for d in dtypes], [len(a) for a in arrays]])
+                else:
+                    ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
             else:
                 stores = [d.newbyteorder("<") for d in dtypes]
                 seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
@@ -460,7 +468,11 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
     doc = json.loads(body[4 : 4 + n])
     arrays = []
     pos = 4 + n
-    for dtype, store, shape in doc["a"]:
+    ameta = doc["a"]
+    if ameta and isinstance(ameta[0], str):  # the 1-D integer form
+        store, dtypes, lens = ameta
+        ameta = [(d, store, (k,)) for d, k in zip(dtypes, lens, strict=True)]
+    for dtype, store, shape in ameta:
         st = _LE.get(store) or np.dtype(store)
         count = 1
         for k in shape:

@@ -239,6 +239,11 @@ def test_every_event_kind_round_trips():
         ),
         ev.StepBoundary(seq=11, ts=0.5, step=4, available={"full": 3, "swa": 5}),
         EventsLost(seq=20, ts=0.5, step=4, first_seq=12, last_seq=20, n_events=9),
+        # Arrays that are not all 1-D integers (stored one by one), and integers that need 64 bits.
+        ev.PageUpdate(
+            seq=21, ts=0.25, step=4, op="y", pool="swa", pages=i8(*range(6)).reshape(2, 3), owners=np.array([1.5, -2.0])
+        ),
+        ev.PageUpdate(seq=22, ts=0.25, step=4, op="z", pool="swa", pages=i8(2**40), owners=np.array([5], np.uint8)),
     ]
     cache: dict = {}
     for e in samples:
