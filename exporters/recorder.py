@@ -99,7 +99,10 @@ CREATE TABLE blocks (
     seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
     kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, payload BLOB NOT NULL
 );
-CREATE INDEX blocks_step ON blocks (step);
+CREATE INDEX blocks_step ON blocks (step, n);
+CREATE INDEX blocks_boundary ON blocks (step, boundary, available) WHERE boundary IS NOT NULL;
+CREATE INDEX blocks_kinds ON blocks (kinds, step, counts);
+CREATE TABLE kindsets (kinds INTEGER PRIMARY KEY);
 CREATE TABLE rids (block INTEGER NOT NULL, rid NOT NULL, step INTEGER NOT NULL);
 CREATE INDEX rids_rid ON rids (rid, step);
 CREATE TABLE violations (
@@ -113,7 +116,10 @@ CREATE TABLE snapshots (
 );
 CREATE INDEX snapshots_step ON snapshots (step);
 """
-_TABLES = frozenset({"meta", "blocks", "rids", "violations", "snapshots"})
+_TABLES = frozenset({"meta", "blocks", "kindsets", "rids", "violations", "snapshots"})
+# The indexes answer the readers' aggregates without reading the blocks' payloads: blocks_step (step, n) the step
+# ranges and event_count, blocks_boundary the step boundaries (state_at, steps, step_series), blocks_kinds with
+# kindsets (every ``kinds`` bit set a block has) event_counts and events(kinds=...) by seeks, not scans.
 # Event kinds that change the replayed state (replay.py); blocks without any are skipped by state_at's query.
 _STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
 _RESERVED_META = frozenset(
@@ -705,6 +711,8 @@ class FlightRecorder:
         self._rows: list = []  # encoded blocks not yet inserted (writer thread)
         self._rid_rows: list = []
         self._vrows: list = []
+        self._kindsets: set = set()  # the kinds bit sets already in table kindsets
+        self._new_kindsets: list = []
 
         self._conn = self._create(overwrite, meta)
         try:
@@ -935,6 +943,7 @@ class FlightRecorder:
             except Exception as exc:
                 self.lost_events += uncommitted
                 self._block, self._rows, self._rid_rows, self._vrows = None, [], [], []
+                self._kindsets, self._new_kindsets = set(), []
                 self._deflate = _deflater()
                 self._fail(exc)
                 with contextlib.suppress(Exception):
@@ -1003,21 +1012,22 @@ class FlightRecorder:
             blk = self._block_for(blk, EventsLost, head["step"], hi)
             blk.add(EventsLost, marker.__dict__)
             n += 1
+        snapshot, boundary, violation = ev.Snapshot, ev.StepBoundary, ev.ViolationEvent
         it = iter(batch)
         for cls, d in zip(it, it):
-            if cls is ev.Snapshot:
+            if cls is snapshot:
                 continue
             step = d["step"]
             if (
                 blk is None
                 or step != blk.step
                 or len(blk.rows) >= _BLOCK_EVENTS
-                or (cls is ev.StepBoundary and blk.boundary is not None)
+                or (cls is boundary and blk.boundary is not None)
             ):
                 blk = self._block_for(blk, cls, step, d["seq"])
             blk.add(cls, d)
             n += 1
-            if cls is ev.ViolationEvent:
+            if cls is violation:
                 v = d["violation"]
                 vrows.append(
                     (d["seq"], v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
@@ -1047,6 +1057,9 @@ class FlightRecorder:
     def _close_block(self, blk: _BlockWriter) -> None:
         row = blk.row(self._deflate)
         self._rows.append(row)
+        if row[4] not in self._kindsets:
+            self._kindsets.add(row[4])
+            self._new_kindsets.append((row[4],))
         self._since_snap_bytes += len(row[-1])
         if blk.rids:
             first, step = blk.first, blk.step
@@ -1063,6 +1076,9 @@ class FlightRecorder:
             self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", rows)
         if rid_rows:
             self._conn.executemany("INSERT INTO rids VALUES (?,?,?)", rid_rows)
+        if self._new_kindsets:
+            self._conn.executemany("INSERT OR IGNORE INTO kindsets VALUES (?)", self._new_kindsets)
+            self._new_kindsets = []
         if vrows:
             self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
 
@@ -1240,6 +1256,11 @@ class Recording:
         with self._lock:
             self._conn.close()
 
+    @staticmethod
+    def _kindsets(conn, mask: int) -> list[int]:
+        """The ``kinds`` bit sets of the file that have a bit of ``mask`` (for ``kinds IN (...)``: index seeks)."""
+        return [k for (k,) in conn.execute("SELECT kinds FROM kindsets") if k & mask]
+
     def _mask(self, kinds: Iterable) -> int:
         """The ``blocks.kinds`` bits of these kinds (classes or names; kinds the file does not know have none)."""
         mask = 0
@@ -1306,8 +1327,17 @@ class Recording:
             if not mask:
                 return
             wanted = {self._classes[c] for c in range(len(self._classes)) if mask >> c & 1}
-            where += (" AND " if where else " WHERE ") + "kinds & ? != 0"
-            args = [*args, mask]
+            with self._read() as conn:
+                sets = self._kindsets(conn, mask)
+                if not sets:
+                    return
+                cond = f"kinds IN ({','.join(map(str, sets))})"
+                n = conn.execute(f"SELECT count(*) FROM blocks{where}{' AND ' if where else ' WHERE '}{cond}", args)
+                # Few blocks: found by the kinds index (and sorted); many: read in seq order, filtered ("+": no
+                # index), so that each chunk does not sort them all again.
+                if n.fetchone()[0] > 4 * _READ_BLOCKS:
+                    cond = "+" + cond
+            where += (" AND " if where else " WHERE ") + cond
         where += (" AND " if where else " WHERE ") + "seq > ?"
         after = -(2**62)
         while True:
@@ -1336,7 +1366,9 @@ class Recording:
         retention removed it); ``replay.IncompleteHistory`` when events between the base and the step were lost."""
         step = int(step)
         with self._read() as conn:
-            end = conn.execute("SELECT max(boundary) FROM blocks WHERE step = ?", (step,)).fetchone()[0]
+            end = conn.execute(
+                "SELECT max(boundary) FROM blocks WHERE step = ? AND boundary IS NOT NULL", (step,)
+            ).fetchone()[0]
             if end is None:
                 row = conn.execute("SELECT max(seq) FROM snapshots WHERE step = ?", (step,)).fetchone()
             else:
@@ -1412,7 +1444,7 @@ class Recording:
                 return []
             stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
             rows = conn.execute(
-                f"SELECT step, available FROM blocks{where} AND (step - ?) % ? = 0 ORDER BY seq",
+                f"SELECT step, available FROM blocks{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
                 [*args, int(lo), stride],
             ).fetchall()
         out = {}
@@ -1432,12 +1464,13 @@ class Recording:
         if not codes:
             return out
         where, args = _step_range(start, stop)
-        where += (" AND " if where else " WHERE ") + "kinds & ? != 0"
         with self._read() as conn:
-            rows = conn.execute(
-                f"SELECT (step / ?) * ? AS b, counts FROM blocks{where} ORDER BY b",
-                [bucket, bucket, *args, self._mask(names)],
-            ).fetchall()
+            sets = self._kindsets(conn, self._mask(names))
+            if not sets:
+                return out
+            where += (" AND " if where else " WHERE ") + f"kinds IN ({','.join(map(str, sets))})"
+            sql = f"SELECT (step / ?) * ? AS b, counts FROM blocks{where}"
+            rows = conn.execute(sql, [bucket, bucket, *args]).fetchall()
         per: dict[str, dict] = {n: {} for n in names}
         for b, counts in rows:
             for code, n in json.loads(counts).items():
@@ -1446,7 +1479,7 @@ class Recording:
                     d = per[name]
                     d[b] = d.get(b, 0) + n
         for name, d in per.items():
-            out[name] = [(int(b), int(n)) for b, n in d.items()]  # buckets in order (the query's)
+            out[name] = sorted((int(b), int(n)) for b, n in d.items())
         return out
 
     def request_span(self, rid) -> tuple[int, int] | None:
