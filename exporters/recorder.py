@@ -83,11 +83,12 @@ from instrumented_alloc.replay import EventsLost, ReplayState
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
-FORMAT_VERSION = 2  # 2: events stored in blocks (one row per step and call run), not one row each
+FORMAT_VERSION = 2  # 2: events stored in blocks (about one row per step), not one row each
 SINK_NAME = "recorder"
 
 _COMMIT_ROWS = 5000  # events written since the last commit that force one
-_COMPRESS_OVER = 4096  # payloads larger than this many bytes are zlib-compressed
+_COMPRESS_OVER = 4096  # block bodies larger than this many bytes are deflated
+_PACK_COMPRESS_OVER = 512  # snapshot ledger documents larger than this many bytes are zlib-compressed
 _BLOCK_EVENTS = 512  # events of one block at most
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
@@ -231,7 +232,7 @@ def _violation_doc(v: Violation) -> dict:
 def _pack(doc) -> bytes:
     """A JSON document as a blob: b"Z" + zlib(json) or b"R" + json."""
     data = _dumps(doc)
-    if len(data) > _COMPRESS_OVER:
+    if len(data) > _PACK_COMPRESS_OVER:
         z = zlib.compress(data, 1)
         if len(z) < len(data):
             return b"Z" + z
@@ -327,7 +328,7 @@ class _BlockWriter:
         self.rows: list = []
         self.arrays: list = []
         self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
-        self.rindex: dict = {}  # id(rids tuple) -> its index in rjson
+        self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
         self.rjson: list = []
         self.rid_cache = rid_cache
 
@@ -355,9 +356,12 @@ class _BlockWriter:
         if i is not None:
             rids = row[i]
             if type(rids) is tuple:
-                k = self.rindex.get(id(rids))
-                if k is None:
-                    k = self.rindex[id(rids)] = len(self.rjson)
+                hit = self.rindex.get(id(rids))
+                if hit is not None and hit[1] is rids:
+                    k = hit[0]
+                else:
+                    k = len(self.rjson)
+                    self.rindex[id(rids)] = (k, rids)  # holds the tuple: its id is not reused within the block
                     self.rjson.append(self._rids_json(rids))
                 row[i] = k
                 if len(rids) == 1:

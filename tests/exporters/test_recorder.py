@@ -269,6 +269,22 @@ def test_every_event_kind_round_trips():
     assert decode_event(kind, 1, 0, 0.0, payload).rids == ("('t', 1)", None, "2.5")
 
 
+def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
+    # A block keeps the rids tuples it indexed by identity alive: a later tuple cannot take a freed one's address.
+    from exporters import recorder
+
+    b = recorder._BlockWriter(0, 1, None)
+    ids = []
+    for seq, rid in ((1, "x"), (2, "y"), (3, "z")):
+        e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=("".join(["r", rid]),))
+        ids.append(id(e.rids))
+        b.add(type(e), e.__dict__)
+        del e
+    got = recorder._decode_block(b.row()[-1], 1, 0, recorder._CLASSES)
+    assert [(e.seq, e.rids) for e in got] == [(1, ("rx",)), (2, ("ry",)), (3, ("rz",))]
+    assert len(set(ids)) == 3
+
+
 def test_attached_mid_run_and_event_ranges(tmp_path):
     e = Engine("swa-4", True, "deferred")
     pick = RandomPick(4)
