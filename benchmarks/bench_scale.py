@@ -102,7 +102,7 @@ def write_recording(path: Path, events: int) -> int:
         pass
     conn = sqlite3.connect(path)
     try:
-        return conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        return conn.execute("SELECT sum(n) FROM blocks").fetchone()[0]
     finally:
         conn.close()
 
@@ -115,15 +115,20 @@ def replicate(src: Path, dst: Path, copies: int) -> int:
     try:
         conn.execute("PRAGMA journal_mode = OFF")
         conn.execute("PRAGMA synchronous = OFF")
-        seq_span = conn.execute("SELECT max(seq) FROM events").fetchone()[0] + 1
-        step_span = conn.execute("SELECT max(step) FROM events").fetchone()[0] + 1
+        seq_span = conn.execute("SELECT max(last) FROM blocks").fetchone()[0] + 1
+        step_span = conn.execute("SELECT max(step) FROM blocks").fetchone()[0] + 1
         conn.execute("BEGIN")
         for k in range(1, copies):
             ds, dt = k * seq_span, k * step_span
+            # A block's events carry their seq relative to the block's and the block's step: shifting the columns
+            # shifts its events.
             conn.execute(
-                "INSERT INTO events (seq, step, ts, kind, rid, payload) "
-                "SELECT seq + ?, step + ?, ts, kind, rid, payload FROM events WHERE seq < ?",
+                "INSERT INTO blocks SELECT seq + ?1, last + ?1, step + ?2, n, kinds, counts, boundary + ?1, "
+                "available, payload FROM blocks WHERE seq < ?3",
                 (ds, dt, seq_span),
+            )
+            conn.execute(
+                "INSERT INTO rids SELECT block + ?1, rid, step + ?2 FROM rids WHERE block < ?3", (ds, dt, seq_span)
             )
             conn.execute(
                 "INSERT INTO snapshots SELECT seq + ?, step + ?, pool, num_pages, page_size, owner, ledger "
@@ -131,7 +136,7 @@ def replicate(src: Path, dst: Path, copies: int) -> int:
                 (ds, dt, seq_span),
             )
         conn.execute("COMMIT")
-        return conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        return conn.execute("SELECT sum(n) FROM blocks").fetchone()[0]
     finally:
         conn.close()
 

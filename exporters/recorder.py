@@ -4,21 +4,27 @@ SQLite file (``FlightRecorder``), and its reader (``Recording``).
 Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Threads: the sink (``FlightRecorder.__call__``, bus name ``"recorder"``) runs on the engine thread, inside the
   allocator call that produced the batch. It never blocks and never raises: it puts the batch (each frozen event as
-  its class and instance dict, whose arrays the wrapper copied for it) on a bounded queue (``_Queue``: a deque
-  with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink) with ``put_nowait`` and
-  returns False when the queue is full or the recorder stopped, so the bus counts the refused events in
-  ``alloc.bus.dropped["recorder"]``.
+  its class and instance dict, whose arrays the wrapper copied for it, in one flat list) on a bounded queue
+  (``_Queue``: a deque with a bound; ``queue.Queue``'s lock and condition cost more than the rest of the sink)
+  without waiting, and returns False when the queue is full or the recorder stopped, so the bus counts the refused
+  events in ``alloc.bus.dropped["recorder"]``.
   On a ``StepBoundary`` whose step is a multiple of ``snapshot_every`` (or when a snapshot is due: after lost events,
   or when retention wants a newer base) it also takes ``alloc.snapshot()`` (host copies of the owner arrays) and
   queues it with the boundary's seq (``snapshot(wait=False)``: deferred device checks still in flight are not
   waited for; their page changes come in later events). A background writer thread owns the SQLite connection
   and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
   while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
-- File: SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables ``meta``, ``events``,
-  ``violations``, ``snapshots`` (see ``_SCHEMA``). ``close()`` switches a finished file back to a single-file
-  rollback journal when no reader holds it. Schema and initial snapshot (the state when recording started, so that
-  replay always has a base) are committed before the constructor returns. An existing recording at ``path`` is
-  replaced only with ``overwrite=True``; any other existing file is never replaced.
+- File (format version 2): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
+  ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
+  one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
+  together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
+  per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
+  under one request id. A reader opens version 2 only: another version raises ``RecordingVersionError`` naming
+  the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
+  file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
+  when recording started, so that replay always has a base) are committed before the constructor returns. An
+  existing recording at ``path`` is replaced only with ``overwrite=True``; any other existing file is never
+  replaced.
 - Ordering: events are written in ``seq`` order, each batch and its snapshot in one transaction. A violation is
   committed as soon as it is written; other events are committed every ``flush_interval`` seconds or every
   ``_COMMIT_ROWS`` rows, whichever comes first. Durability: ``synchronous=NORMAL``: a killed process loses nothing
@@ -63,6 +69,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import operator
 import os
 import queue
 import sqlite3
@@ -72,6 +79,7 @@ import time
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,23 +93,29 @@ from instrumented_alloc.replay import EventsLost, ReplayState
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: events stored in blocks (about one row per step), not one row each
 SINK_NAME = "recorder"
 
-_COMMIT_ROWS = 5000  # rows written since the last commit that force one
-_COMPRESS_OVER = 512  # payloads larger than this many bytes are zlib-compressed
-_READ_CHUNK = 2000
-_INSERT_ROWS = 2000  # encoded rows the writer buffers before one executemany
+_COMMIT_ROWS = 5000  # events written since the last commit that force one
+_COMPRESS_OVER = 4096  # block bodies larger than this many bytes are deflated
+_PACK_COMPRESS_OVER = 512  # snapshot ledger documents larger than this many bytes are zlib-compressed
+_BLOCK_EVENTS = 512  # events of one block at most
+_READ_BLOCKS = 200  # blocks per read transaction of Recording.events
+_INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE events (
-    seq INTEGER PRIMARY KEY, step INTEGER NOT NULL, ts REAL NOT NULL, kind TEXT NOT NULL, rid, payload BLOB NOT NULL
+CREATE TABLE blocks (
+    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
+    kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, payload BLOB NOT NULL
 );
-CREATE INDEX events_step ON events (step);
-CREATE INDEX events_kind_step ON events (kind, step);
-CREATE INDEX events_rid ON events (rid) WHERE rid IS NOT NULL;
+CREATE INDEX blocks_step ON blocks (step, n);
+CREATE INDEX blocks_boundary ON blocks (step, boundary, available) WHERE boundary IS NOT NULL;
+CREATE INDEX blocks_kinds ON blocks (kinds, step, counts);
+CREATE TABLE kindsets (kinds INTEGER PRIMARY KEY);
+CREATE TABLE rids (block INTEGER NOT NULL, rid NOT NULL, step INTEGER NOT NULL);
+CREATE INDEX rids_rid ON rids (rid, step);
 CREATE TABLE violations (
     seq INTEGER PRIMARY KEY, step INTEGER NOT NULL, ts REAL NOT NULL, invariant TEXT NOT NULL,
     severity TEXT NOT NULL, pool TEXT, rid, op TEXT NOT NULL, message TEXT NOT NULL, trace_id TEXT
@@ -113,8 +127,11 @@ CREATE TABLE snapshots (
 );
 CREATE INDEX snapshots_step ON snapshots (step);
 """
-_TABLES = frozenset({"meta", "events", "violations", "snapshots"})
-# Event kinds that change the replayed state (replay.py); everything else is skipped by state_at's query.
+_TABLES = frozenset({"meta", "blocks", "kindsets", "rids", "violations", "snapshots"})
+# The indexes answer the readers' aggregates without reading the blocks' payloads: blocks_step (step, n) the step
+# ranges and event_count, blocks_boundary the step boundaries (state_at, steps, step_series), blocks_kinds with
+# kindsets (every ``kinds`` bit set a block has) event_counts and events(kinds=...) by seeks, not scans.
+# Event kinds that change the replayed state (replay.py); blocks without any are skipped by state_at's query.
 _STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
 _RESERVED_META = frozenset(
     {
@@ -136,6 +153,7 @@ _RESERVED_META = frozenset(
         "events_lost",
         "failure",
         "request_ids",
+        "kinds",
     }
 )
 
@@ -152,6 +170,11 @@ class RecordingNotFoundError(RecordingError, FileNotFoundError):
     """There is no file at the recording's path."""
 
 
+class RecordingVersionError(RecordingError):
+    """The file is a flight recording in a format version this reader does not read (the message names the file,
+    its version and the reader's)."""
+
+
 # -- codec ------------------------------------------------------------------------------------------------------
 def _event_classes() -> dict[str, type]:
     out = {}
@@ -163,7 +186,18 @@ def _event_classes() -> dict[str, type]:
 
 
 _KINDS = _event_classes()
+# A kind's code in the files this writer makes: its index in this list (stored in meta "kinds"; a reader uses the
+# file's list, so kinds added later get new codes without a format change). Bit ``code`` of ``blocks.kinds``.
+_KIND_NAMES = tuple(sorted(_KINDS))
 _FIELDS: dict[type, tuple] = {}
+
+
+def _classes_of(kind_names: Sequence[str]) -> list:
+    """The event class of each kind code of a file (None for a kind this reader does not know)."""
+    return [_KINDS.get(k) for k in kind_names]
+
+
+_CLASSES = _classes_of(_KIND_NAMES)
 
 
 def _fields_of(cls: type) -> tuple:
@@ -206,19 +240,14 @@ def _violation_doc(v: Violation) -> dict:
     return d
 
 
-def _squeeze(data: bytes) -> tuple[str, bytes]:
-    """("z", compressed) when that pays, else ("r", data)."""
-    if len(data) > _COMPRESS_OVER:
-        z = zlib.compress(data, 1)
-        if len(z) < len(data):
-            return "z", z
-    return "r", data
-
-
 def _pack(doc) -> bytes:
     """A JSON document as a blob: b"Z" + zlib(json) or b"R" + json."""
-    enc, data = _squeeze(_dumps(doc))
-    return (b"Z" if enc == "z" else b"R") + data
+    data = _dumps(doc)
+    if len(data) > _PACK_COMPRESS_OVER:
+        z = zlib.compress(data, 1)
+        if len(z) < len(data):
+            return b"Z" + z
+    return b"R" + data
 
 
 def _unpack(blob: bytes):
@@ -230,42 +259,10 @@ def _unpack(blob: bytes):
     return json.loads(body)
 
 
-def _store_dtype(a: np.ndarray) -> np.dtype:
-    if a.dtype.kind in "iu" and (a.size == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31)):
-        return np.dtype("<i4")
-    return a.dtype.newbyteorder("<")
-
-
-def _rids_segment(rids: tuple, cache: dict | None) -> tuple[str, bytes]:
-    """The encoded segment of a ``rids`` tuple; a decode batch repeats the same tuple every step, so the writer
-    keeps the last few encodings (``cache``)."""
-    if cache is not None:
-        # The wrapper hands every call of one batch() block the same tuple object: look it up by identity first.
-        hit = cache.get(id(rids))
-        if hit is not None and hit[0] is rids:
-            return hit[1]
-        try:
-            hit = cache.get(rids)
-        except TypeError:  # an unhashable request id
-            cache = None
-            hit = None
-        if hit is not None:
-            return hit
-    seg = _squeeze(_dumps([_rid(r) for r in rids]))
-    if cache is not None:
-        if len(cache) >= 128:
-            cache.clear()
-        cache[rids] = seg
-        cache[id(rids)] = (rids, seg)  # holds the tuple: its id is not reused while cached
-    return seg
-
-
 def _tuplify(v):
     return tuple(_tuplify(x) for x in v) if isinstance(v, list) else v
 
 
-_HEAD_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_default)
-# The C encoder json.dumps builds on every call, built once (what the JSON of an event header costs, halved).
 _C_ENCODER = (
     json.encoder.c_make_encoder(
         None, _json_default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
@@ -273,129 +270,287 @@ _C_ENCODER = (
     if json.encoder.c_make_encoder is not None
     else None
 )
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_default)
 
 
-def _head_json(doc) -> str:
+def _json(doc) -> str:
+    """Compact JSON (the C encoder built once: ``json.dumps`` builds one per call)."""
     if _C_ENCODER is None:
-        return _HEAD_ENCODER.encode(doc)
+        return _ENCODER.encode(doc)
     return "".join(_C_ENCODER(doc, 0))
+
+
+_I2_MIN, _I2_MAX = -(2**15), 2**15 - 1
 _I4_MIN, _I4_MAX = -(2**31), 2**31 - 1
-_LE_I4 = np.dtype("<i4")
+_LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
-_META_JSON: dict = {}  # (names, dtypes, shapes, stored) -> the header's "a" list as JSON
+class _Plan:
+    """How the writer stores one event class: ``get`` reads (seq, ts, *fields in dataclass order) from an instance
+    dict; the row positions (3 + field index) of the fields that may hold arrays (annotated ``Any``), of ``rid``,
+    of a ``rids`` tuple and of a ``violation``."""
+
+    __slots__ = ("arrays", "boundary", "code", "get", "rid", "rids", "violation")
+
+    def __init__(self, cls: type):
+        self.code = _KIND_NAMES.index(cls.__name__)
+        fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
+        names = [f.name for f in fields]
+        self.get = operator.itemgetter("seq", "ts", *names)
+        self.arrays = tuple(3 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
+        self.rid = 3 + names.index("rid") if "rid" in names else None
+        self.rids = 3 + names.index("rids") if "rids" in names else None
+        self.violation = 3 + names.index("violation") if "violation" in names else None
+        self.boundary = cls is ev.StepBoundary
 
 
-def _arrays_segment(names: list, arrays: list) -> tuple[str, bytes]:
-    """(header "a" JSON, bytes) of an event's arrays: integer arrays that all fit int32 are narrowed together
-    (one concatenation and one range check per event, not one per array), anything else per array. The JSON
-    of the array list repeats from call to call (same fields, dtypes, batch size): it is cached."""
-    dtypes = tuple(a.dtype for a in arrays)
-    shapes = tuple(a.shape for a in arrays)
-    raw = None
-    if all(d.kind in "iu" for d in dtypes):
-        flat = arrays[0].ravel() if len(arrays) == 1 else np.concatenate([a.ravel() for a in arrays])
-        if flat.size == 0 or (int(flat.min()) >= _I4_MIN and int(flat.max()) <= _I4_MAX):
-            stores = (_LE_I4,) * len(arrays)
-            raw = flat.astype(_LE_I4).tobytes()
-    if raw is None:
-        stores = tuple(_store_dtype(a) for a in arrays)
-        raw = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
-    key = (tuple(names), dtypes, shapes, stores)
-    meta = _META_JSON.get(key)
-    if meta is None:
-        if len(_META_JSON) >= 4096:
-            _META_JSON.clear()
-        meta = _META_JSON[key] = _dumps(
-            [[n, d.str, st.str, list(sh)] for n, d, st, sh in zip(names, dtypes, stores, shapes)]
-        ).decode()
-    return meta, raw
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    p = _PLANS.get(cls)
+    if p is None:
+        p = _PLANS[cls] = _Plan(cls)
+    return p
+
+
+class _BlockWriter:
+    """The events of one block as they are added (writer thread), then its row (``row()``).
+
+    A block holds consecutive events of ONE step (``step``), at most one ``StepBoundary`` (``boundary``: its seq,
+    ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
+    (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
+    body = u32 header length + header JSON + the little-endian bytes of every array of the block, concatenated.
+    Header: ``e``: one ``[code, seq - the block's first seq, ts, *fields]`` per event (fields in dataclass order;
+    an array as null, a ``rids`` tuple as its index in ``r``), followed, when some fields are arrays, by the bit
+    mask of those fields; ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
+    ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
+    ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
+    both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
+    that holds every value of the block."""
+
+    __slots__ = ("arrays", "available", "boundary", "first", "rid_cache", "rids", "rindex", "rjson", "rows", "step")
+
+    def __init__(self, step: int, first: int, rid_cache: dict | None):
+        self.step = step
+        self.first = first
+        self.boundary = None
+        self.available = None
+        self.rows: list = []
+        self.arrays: list = []
+        self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
+        self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
+        self.rjson: list = []
+        self.rid_cache = rid_cache
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def add(self, cls: type, d: Mapping) -> None:
+        """Add one event given as its class and instance dict (its step must be ``self.step``)."""
+        p = _PLANS.get(cls) or _plan(cls)
+        row = [p.code, *p.get(d)]
+        row[1] -= self.first
+        mask = 0
+        for i in p.arrays:
+            v = row[i]
+            if isinstance(v, np.ndarray):
+                self.arrays.append(v)
+                row[i] = None
+                mask |= 1 << (i - 3)
+        rid = None
+        i = p.rid
+        if i is not None:
+            row[i] = rid = _rid(row[i])
+        i = p.rids
+        if i is not None:
+            rids = row[i]
+            if type(rids) is tuple:
+                hit = self.rindex.get(id(rids))
+                if hit is not None and hit[1] is rids:
+                    k = hit[0]
+                else:
+                    k = len(self.rjson)
+                    self.rindex[id(rids)] = (k, rids)  # holds the tuple: its id is not reused within the block
+                    self.rjson.append(self._rids_json(rids))
+                row[i] = k
+                if len(rids) == 1:
+                    rid = _rid(rids[0])
+            elif isinstance(rids, int):
+                row[i] = repr(rids)  # an int here would read as an index into "r"
+        i = p.violation
+        if i is not None:
+            v = row[i]
+            if isinstance(v, Violation):
+                row[i] = _violation_doc(v)
+                rid = _rid(v.rid)
+        if mask:
+            row.append(mask)
+        self.rows.append(row)
+        if rid is not None:
+            self.rids.add(rid)
+        if p.boundary:
+            self.boundary = d["seq"]
+            self.available = _json(d["available"])
+
+    def _rids_json(self, rids: tuple) -> str:
+        """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
+        every step, so the writer caches it by identity (``rid_cache``, which holds the tuple: its id is not
+        reused while cached)."""
+        cache = self.rid_cache
+        if cache is not None:
+            hit = cache.get(id(rids))
+            if hit is not None and hit[0] is rids:
+                return hit[1]
+        out = _json([_rid(r) for r in rids])
+        if cache is not None:
+            if len(cache) >= 256:
+                cache.clear()
+            cache[id(rids)] = (rids, out)
+        return out
+
+    def row(self, deflate=None) -> tuple:
+        """(seq, last, step, n, kinds, counts, boundary, available, payload) of the ``blocks`` table.
+        ``deflate``: the writer's raw deflate compressor (``_deflater()``), reused from block to block (a new one
+        costs more than compressing a block): every block ends with a full flush, so each decompresses alone."""
+        rows = self.rows
+        seg = b""
+        ameta = "[]"
+        arrays = self.arrays
+        if arrays:
+            dtypes = [a.dtype for a in arrays]
+            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dtypes):
+                flat_1d = all(a.ndim == 1 for a in arrays)
+                if len(arrays) == 1:
+                    flat = arrays[0].ravel()
+                else:
+                    flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
+                lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+                if lo >= _I2_MIN and hi <= _I2_MAX:
+                    store = "<i2"
+                elif lo >= _I4_MIN and hi <= _I4_MAX:
+                    store = "<i4"
+                else:
+                    store = "<i8"
+                seg = flat.astype(store).tobytes()
+                if flat_1d:
+                    ameta = _json([store, [_dtype_str(d) for d in dtypes], [len(a) for a in arrays]])
+                else:
+                    ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
+            else:
+                stores = [d.newbyteorder("<") for d in dtypes]
+                seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
+                ameta = _json([[d.str, st.str, a.shape] for d, st, a in zip(dtypes, stores, arrays)])
+        head = f'{{"e":{_json(rows)},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
+        body = b"".join((struct.pack("<I", len(head)), head, seg))
+        payload = b"B" + body
+        if len(body) > _COMPRESS_OVER:
+            d = deflate or _deflater()
+            z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
+            if len(z) < len(body):
+                payload = b"D" + z
+        counts = collections.Counter(r[0] for r in rows)
+        kinds = 0
+        for code in counts:
+            kinds |= 1 << code
+        last = self.first + rows[-1][1]
+        return (
+            self.first, last, self.step, len(rows), kinds, _json(counts), self.boundary, self.available, payload,
+        )  # fmt: skip
+
+
+_DTYPE_STR: dict = {}
+
+
+def _dtype_str(d: np.dtype) -> str:
+    s = _DTYPE_STR.get(d)
+    if s is None:
+        s = _DTYPE_STR[d] = d.str
+    return s
+
+
+def _deflater():
+    """A raw deflate compressor (level 1) for block payloads."""
+    return zlib.compressobj(1, zlib.DEFLATED, -15)
+
+
+def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> list[ev.Event]:
+    """The events of one block row (inverse of ``_BlockWriter``); ``classes``: the event class of each kind code
+    (``_classes_of`` the file's meta ``kinds``)."""
+    tag = payload[:1]
+    if tag == b"D":
+        body = zlib.decompressobj(-15).decompress(payload[1:])
+    elif tag == b"B":
+        body = payload[1:]
+    else:
+        raise ValueError(f"unknown block encoding {tag!r}")
+    (n,) = struct.unpack_from("<I", body, 0)
+    doc = json.loads(body[4 : 4 + n])
+    arrays = []
+    pos = 4 + n
+    ameta = doc["a"]
+    if ameta and isinstance(ameta[0], str):  # the 1-D integer form
+        store, dtypes, lens = ameta
+        ameta = [(d, store, (k,)) for d, k in zip(dtypes, lens, strict=True)]
+    for dtype, store, shape in ameta:
+        st = _LE.get(store) or np.dtype(store)
+        count = 1
+        for k in shape:
+            count *= k
+        a = np.frombuffer(body, dtype=st, count=count, offset=pos).reshape(shape)
+        arrays.append(a.astype(np.dtype(dtype).newbyteorder("=")))
+        pos += count * st.itemsize
+    if pos != len(body):
+        raise ValueError(f"block arrays take {pos - 4 - n} bytes, the block has {len(body) - 4 - n}")
+    rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
+    out = []
+    it = iter(arrays)
+    make = ev.make
+    for row in doc["e"]:
+        cls = classes[row[0]]
+        if cls is None:
+            raise ValueError(f"unknown event kind code {row[0]}")
+        fields = _fields_of(cls)
+        nf = len(fields)
+        if len(row) not in (3 + nf, 4 + nf):
+            raise ValueError(f"a {cls.__name__} row has {len(row)} items")
+        mask = row[3 + nf] if len(row) > 3 + nf else 0
+        kw = {}
+        for i, (name, is_tuple) in enumerate(fields):
+            if mask >> i & 1:
+                v = next(it)
+            else:
+                v = row[3 + i]
+                if name == "rids" and type(v) is int:
+                    v = rlists[v]
+                elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
+                    v = _tuplify(v)
+            kw[name] = v
+        if isinstance(kw.get("violation"), dict):
+            kw["violation"] = Violation(**kw["violation"])
+        out.append(make(cls, first + row[1], row[2], step, kw))
+    return out
 
 
 def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, bytes]:
-    """(kind, rid, payload) of one event: the row a recording stores besides seq/step/ts.
-
-    payload = b"E" + u32 header length + header JSON (``f``: plain fields, ``a``: arrays as
-    [name, dtype, stored dtype, shape], ``s``: segments as [name, "z"|"r", length]) + the segments: the ``rids``
-    tuple as JSON, then every array's little-endian bytes concatenated (``@arrays``), each zlib-compressed when
-    large. Runs on the writer thread for every event (which shares the GIL with the engine), so it reads the
-    instance dict once, decides the arrays' stored width once per event and reuses the JSON of what repeats."""
-    return _encode(type(e), e.__dict__, cache)
-
-
-def _encode(cls: type, values: Mapping, cache: dict | None) -> tuple[str, object, bytes]:
-    """``encode_event`` of an event given as its class and its instance dict (what the sink queues)."""
-    doc: dict = {}
-    names: list = []
-    arrays: list = []
-    segs: list = []
-    datas: list = []
-    rid = None
-    for name, _ in _FIELDS.get(cls) or _fields_of(cls):
-        v = values[name]
-        t = type(v)
-        if t is np.ndarray:
-            names.append(name)
-            arrays.append(v)
-        elif t is Violation:
-            doc[name] = _violation_doc(v)
-            rid = _rid(v.rid)
-        elif name == "rid":
-            doc[name] = rid = _rid(v)
-        elif name == "rids" and t is tuple:
-            enc, data = _rids_segment(v, cache)
-            segs.append(f'["rids","{enc}",{len(data)}]')
-            datas.append(data)
-            if len(v) == 1:
-                rid = _rid(v[0])
-        elif isinstance(v, np.ndarray):
-            names.append(name)
-            arrays.append(v)
-        else:
-            doc[name] = v
-    meta = "[]"
-    if arrays:
-        meta, raw = _arrays_segment(names, arrays)
-        enc, data = _squeeze(raw)
-        segs.append(f'["@arrays","{enc}",{len(data)}]')
-        datas.append(data)
-    head = f'{{"f":{_head_json(doc)},"a":{meta},"s":[{",".join(segs)}]}}'.encode()
-    return cls.__name__, rid, b"".join((b"E", struct.pack("<I", len(head)), head, *datas))
+    """(kind, rid, payload) of one event stored alone: its kind name, the request id it is stored under (the
+    ``rids`` table: its ``rid``, its violation's, or the one request of a single-request call; else None) and a
+    block payload of that one event (see ``_BlockWriter``). The writer stores blocks of many events the same way."""
+    b = _BlockWriter(e.step, e.seq, cache)
+    b.add(type(e), e.__dict__)
+    rid = next(iter(b.rids)) if b.rids else None
+    return type(e).__name__, rid, b.row()[-1]
 
 
 def decode_event(kind: str, seq: int, step: int, ts: float, payload: bytes) -> ev.Event:
-    """The event a row stores (inverse of ``encode_event``)."""
-    cls = _KINDS.get(kind)
-    if cls is None:
+    """The event ``encode_event`` stored (its kind is checked against the payload's)."""
+    if kind not in _KINDS:
         raise ValueError(f"unknown event kind {kind!r}")
-    if payload[:1] != b"E":
-        raise ValueError(f"unknown payload encoding {payload[:1]!r}")
-    (n,) = struct.unpack_from("<I", payload, 1)
-    off = 5 + n
-    doc = json.loads(payload[5:off])
-    kwargs = doc["f"]
-    for name, enc, length in doc["s"]:
-        data = payload[off : off + length]
-        off += length
-        if enc == "z":
-            data = zlib.decompress(data)
-        if name == "@arrays":
-            pos = 0
-            for aname, dtype, store, shape in doc["a"]:
-                st = np.dtype(store)
-                count = int(np.prod(shape)) if shape else 1
-                a = np.frombuffer(data, dtype=st, count=count, offset=pos).reshape(shape)
-                kwargs[aname] = a.astype(np.dtype(dtype).newbyteorder("="))
-                pos += count * st.itemsize
-        else:
-            kwargs[name] = json.loads(data)
-    for name, is_tuple in _fields_of(cls):
-        v = kwargs.get(name)
-        if isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
-            kwargs[name] = _tuplify(v)
-    if isinstance(kwargs.get("violation"), dict):
-        kwargs["violation"] = Violation(**kwargs["violation"])
-    return cls(seq=seq, ts=ts, step=step, **kwargs)
+    (e,) = _decode_block(payload, seq, step, _CLASSES)
+    if type(e).__name__ != kind:
+        raise ValueError(f"payload holds {type(e).__name__}, not {kind}")
+    return e
 
 
 def _encode_ledger(snaps: Mapping) -> bytes:
@@ -489,9 +644,12 @@ def _file_id(path: str):
 
 
 def _is_recording(path: str) -> bool:
+    """Whether ``path`` holds a flight recording (of any format version: ``overwrite=True`` may replace it)."""
     try:
         with contextlib.closing(Recording(path)):
             return True
+    except RecordingVersionError:
+        return True
     except RecordingError:
         return False
 
@@ -567,8 +725,13 @@ class FlightRecorder:
         self._since_snap_events = 0
         self._since_snap_bytes = 0
         self._rids_cache: dict = {}
-        self._rows: list = []  # encoded event rows not yet inserted (writer thread)
+        self._block: _BlockWriter | None = None  # the block being filled (writer thread)
+        self._deflate = _deflater()
+        self._rows: list = []  # encoded blocks not yet inserted (writer thread)
+        self._rid_rows: list = []
         self._vrows: list = []
+        self._kindsets: set = set()  # the kinds bit sets already in table kindsets
+        self._new_kindsets: list = []
 
         self._conn = self._create(overwrite, meta)
         try:
@@ -627,6 +790,7 @@ class FlightRecorder:
                 "max_events": self._max_events,
                 "max_bytes": self._max_bytes,
                 "request_ids": self._hasher.scheme if self._hasher is not None else {"scheme": "raw"},
+                "kinds": list(_KIND_NAMES),
                 **user_meta,
             }
             conn.executescript(_SCHEMA)
@@ -652,8 +816,14 @@ class FlightRecorder:
         snap = None
         boundary = None
         urgent = False
+        # Queued as one flat list [class, instance dict, class, instance dict, ...]: the event objects themselves
+        # die with the call, and the dicts (atomic values, arrays) are untracked by the garbage collector at its
+        # first look. Queued event objects (or a (class, dict) tuple per event) would survive into the older
+        # generations and make full collections (of every object of the process) more frequent.
+        items = []
         for e in batch:
             t = type(e)
+            items += (t, e.__dict__)
             if t is ev.StepBoundary:
                 boundary = e
             elif t is ev.ViolationEvent:
@@ -674,18 +844,16 @@ class FlightRecorder:
                 self._due = snap is None
                 if snap is not None:
                     self._since_snap_queued = 0
-        try:
-            # Queued as (class, instance dict) pairs: the event objects themselves die with the call, and the dicts
-            # (atomic values, arrays) are untracked by the garbage collector at its first look. Queued event objects
-            # would survive into the older generations and make full collections more frequent.
-            self._queue.put_nowait(([(type(e), e.__dict__) for e in batch], snap, lost))
-            if urgent or self._queue.qsize() >= self._wake_at:
-                self._wake.set()
-        except queue.Full:
+        q = self._queue
+        pending = q._items  # _Queue.put_nowait, inline (one call per allocator call)
+        if len(pending) >= q.maxsize:
             self._wake.set()
             self._gap_from = gap_from if gap_from is not None else first
             self._due = True
             return False
+        pending.append((items, snap, lost))
+        if urgent or len(pending) >= self._wake_at:
+            self._wake.set()
         self._gap_from = None
         self._next_seq = batch[-1].seq + 1
         if snap is not None:
@@ -764,14 +932,14 @@ class FlightRecorder:
                 if isinstance(item, _Flush):
                     item.done.set()
                 elif isinstance(item, tuple):
-                    self.lost_events += len(item[0])
+                    self.lost_events += len(item[0]) // 2
                 continue
             try:
                 if isinstance(item, tuple):
                     if not in_txn:
                         conn.execute("BEGIN")
                         in_txn = True
-                    uncommitted += len(item[0])
+                    uncommitted += len(item[0]) // 2
                     urgent = self._write(*item)
                     if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
                         self._insert_rows()
@@ -779,7 +947,7 @@ class FlightRecorder:
                         in_txn, uncommitted, last_commit = False, 0, time.monotonic()
                         self._after_commit()
                     elif len(self._rows) >= _INSERT_ROWS:
-                        self._insert_rows()
+                        self._insert_rows(close=False)
                 elif item is _TICK or isinstance(item, (_Flush, _Stop)):
                     if in_txn:
                         self._insert_rows()
@@ -794,7 +962,9 @@ class FlightRecorder:
                         break
             except Exception as exc:
                 self.lost_events += uncommitted
-                self._rows, self._vrows = [], []
+                self._block, self._rows, self._rid_rows, self._vrows = None, [], [], []
+                self._kindsets, self._new_kindsets = set(), []
+                self._deflate = _deflater()
                 self._fail(exc)
                 with contextlib.suppress(Exception):
                     conn.rollback()
@@ -850,38 +1020,45 @@ class FlightRecorder:
         self._retain()
 
     def _write(self, batch, snap, lost) -> bool:
-        rows = []
         vrows = []
-        nbytes = 0
+        n = 0
+        blk = self._block
         if lost is not None:
             lo, hi = lost
-            head = batch[0][1]
+            head = batch[1]
             marker = EventsLost(
                 seq=hi, ts=head["ts"], step=head["step"], first_seq=lo, last_seq=hi, n_events=hi - lo + 1
             )
-            rows.append((hi, head["step"], head["ts"], *encode_event(marker)))
-        cache = self._rids_cache
+            blk = self._block_for(blk, EventsLost, head["step"], hi)
+            blk.add(EventsLost, marker.__dict__)
+            n += 1
+        snapshot, boundary, violation = ev.Snapshot, ev.StepBoundary, ev.ViolationEvent
+        it = iter(batch)
         redact = self._hasher.event_fields if self._hasher is not None else None
-        for cls, d in batch:
-            if cls is ev.Snapshot:
+        for cls, d in zip(it, it):
+            if cls is snapshot:
                 continue
             if redact is not None:
                 d = redact(d)  # every request id as its pseudonym, before anything is encoded
-            kind, rid, payload = _encode(cls, d, cache)
-            nbytes += len(payload)
-            seq = d["seq"]
-            rows.append((seq, d["step"], d["ts"], kind, rid, payload))
-            if cls is ev.ViolationEvent:
+            step = d["step"]
+            if (
+                blk is None
+                or step != blk.step
+                or len(blk.rows) >= _BLOCK_EVENTS
+                or (cls is boundary and blk.boundary is not None)
+            ):
+                blk = self._block_for(blk, cls, step, d["seq"])
+            blk.add(cls, d)
+            n += 1
+            if cls is violation:
                 v = d["violation"]
                 vrows.append(
-                    (seq, v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
+                    (d["seq"], v.step, v.ts, v.invariant, v.severity, v.pool, _rid(v.rid), v.op, v.message, v.trace_id)
                 )
-        # Inserted by _insert_rows, many batches in one executemany (before every commit, or _INSERT_ROWS rows).
-        self._rows.extend(rows)
+        # Inserted by _insert_rows, many blocks in one executemany (before every commit, or _INSERT_ROWS blocks).
         self._vrows.extend(vrows)
-        self._n_events += len(rows)
-        self._since_snap_events += len(rows)
-        self._since_snap_bytes += nbytes
+        self._n_events += n
+        self._since_snap_events += n
         if snap is not None:
             self._write_snapshot(*snap)
         elif (self._max_events and self._since_snap_events >= max(1, self._max_events // 2)) or (
@@ -890,13 +1067,41 @@ class FlightRecorder:
             self._want_snapshot = True
         return bool(vrows)
 
-    def _insert_rows(self) -> None:
-        rows, vrows = self._rows, self._vrows
-        self._rows, self._vrows = [], []
+    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int) -> _BlockWriter:
+        """A block that takes an event of ``cls`` at ``step``: ``blk`` when it can, else a new one (``blk`` is
+        closed: one step per block, at most one step boundary, at most ``_BLOCK_EVENTS`` events)."""
+        if blk is not None and blk.n:
+            if step == blk.step and blk.n < _BLOCK_EVENTS and not (cls is ev.StepBoundary and blk.boundary is not None):
+                return blk
+            self._close_block(blk)
+        blk = self._block = _BlockWriter(step, seq, self._rids_cache)
+        return blk
+
+    def _close_block(self, blk: _BlockWriter) -> None:
+        row = blk.row(self._deflate)
+        self._rows.append(row)
+        if row[4] not in self._kindsets:
+            self._kindsets.add(row[4])
+            self._new_kindsets.append((row[4],))
+        self._since_snap_bytes += len(row[-1])
+        if blk.rids:
+            first, step = blk.first, blk.step
+            self._rid_rows.extend((first, r, step) for r in blk.rids)
+        self._block = None
+
+    def _insert_rows(self, close: bool = True) -> None:
+        """Insert the encoded blocks (and, with ``close``, the block being filled: before every commit)."""
+        if close and self._block is not None and self._block.n:
+            self._close_block(self._block)
+        rows, rid_rows, vrows = self._rows, self._rid_rows, self._vrows
+        self._rows, self._rid_rows, self._vrows = [], [], []
         if rows:
-            self._conn.executemany(
-                "INSERT OR IGNORE INTO events (seq, step, ts, kind, rid, payload) VALUES (?,?,?,?,?,?)", rows
-            )
+            self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", rows)
+        if rid_rows:
+            self._conn.executemany("INSERT INTO rids VALUES (?,?,?)", rid_rows)
+        if self._new_kindsets:
+            self._conn.executemany("INSERT OR IGNORE INTO kindsets VALUES (?)", self._new_kindsets)
+            self._new_kindsets = []
         if vrows:
             self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
 
@@ -918,11 +1123,25 @@ class FlightRecorder:
         conn = self._conn
         deleted = False
         if self._max_events and self._n_events > self._max_events:
-            row = conn.execute(
-                "SELECT seq FROM events ORDER BY seq LIMIT 1 OFFSET ?", (self._n_events - self._max_events,)
-            ).fetchone()
-            if row is not None:
-                deleted |= self._drop_before_snapshot_at_or_before(row[0])
+            # The block holding the oldest event to keep (the (excess+1)-th), found from the oldest block on.
+            excess = self._n_events - self._max_events
+            keep = None
+            seen = 0
+            cur = conn.execute("SELECT seq, n FROM blocks ORDER BY seq")
+            try:
+                while keep is None:
+                    chunk = cur.fetchmany(256)
+                    if not chunk:
+                        break
+                    for seq, n in chunk:
+                        seen += n
+                        if seen > excess:
+                            keep = seq
+                            break
+            finally:
+                cur.close()
+            if keep is not None:
+                deleted |= self._drop_before_snapshot_at_or_before(keep)
         if self._max_bytes:
             for _ in range(64):
                 ps = conn.execute("PRAGMA page_size").fetchone()[0]
@@ -944,18 +1163,30 @@ class FlightRecorder:
         return row[0] is not None and self._drop_before(row[0])
 
     def _drop_before(self, seq: int) -> bool:
-        """Delete the events and snapshots older than the snapshot at ``seq`` (kept, with its own boundary)."""
+        """Delete the snapshots older than the snapshot at ``seq`` (kept, with its own boundary) and the blocks
+        whose events are all older, with their ``rids`` rows."""
         conn = self._conn
         conn.execute("BEGIN")
         try:
-            n = conn.execute("DELETE FROM events WHERE seq < ?", (seq,)).rowcount
+            n = conn.execute(
+                "SELECT coalesce(sum(n), 0) FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)
+            ).fetchone()[0]
+            b = conn.execute("DELETE FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)).rowcount
+            # rids rows are inserted in block order: those of deleted blocks are the rowids before the first row
+            # of a kept block (found by a scan in rowid order that stops there).
+            conn.execute(
+                "DELETE FROM rids WHERE rowid < coalesce("
+                "(SELECT rowid FROM rids WHERE block >= coalesce((SELECT min(seq) FROM blocks), ?1) "
+                "ORDER BY rowid LIMIT 1), (SELECT max(rowid) + 1 FROM rids))",
+                (seq,),
+            )
             m = conn.execute("DELETE FROM snapshots WHERE seq < ?", (seq,)).rowcount
             conn.execute("COMMIT")
         except BaseException:
             conn.rollback()
             raise
         self._n_events -= max(0, n)
-        return n > 0 or m > 0
+        return b > 0 or m > 0
 
     def _finish(self, stop: _Stop) -> None:
         conn = self._conn
@@ -995,17 +1226,26 @@ class Recording:
             raise RecordingError(f"{p} cannot be opened as a flight recording: {exc}") from exc
         try:
             tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            missing = sorted(_TABLES - tables)
-            if missing:
-                raise RecordingError(f"{p} is not a flight recording (no table {', '.join(missing)})")
+            if "meta" not in tables:
+                raise RecordingError(f"{p} is not a flight recording (no table meta)")
             meta = self._read_meta()
             if meta.get("format") != FORMAT:
                 raise RecordingError(f"{p} is not a flight recording (format {meta.get('format')!r})")
-            if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-                raise RecordingError(
-                    f"{p}: recording format version {meta.get('format_version')} is newer than this reader's "
-                    f"({FORMAT_VERSION})"
+            version = int(meta.get("format_version", 0))
+            if version != FORMAT_VERSION:
+                raise RecordingVersionError(
+                    f"{p}: recording format version {meta.get('format_version')} is "
+                    f"{'newer' if version > FORMAT_VERSION else 'older'} than this reader's ({FORMAT_VERSION}); "
+                    "read it with the instrumented-alloc release that wrote it "
+                    f"(recorder_version {meta.get('recorder_version')!r})"
                 )
+            missing = sorted(_TABLES - tables)
+            if missing:
+                raise RecordingError(f"{p} is not a flight recording (no table {', '.join(missing)})")
+            kinds = meta["kinds"]
+            self._classes = _classes_of(kinds)
+            self._codes = {k: i for i, k in enumerate(kinds)}
+            self._state_mask = self._mask(_STATE_KINDS)
         except RecordingError:
             self._conn.close()
             raise
@@ -1041,6 +1281,20 @@ class Recording:
         with self._lock:
             self._conn.close()
 
+    @staticmethod
+    def _kindsets(conn, mask: int) -> list[int]:
+        """The ``kinds`` bit sets of the file that have a bit of ``mask`` (for ``kinds IN (...)``: index seeks)."""
+        return [k for (k,) in conn.execute("SELECT kinds FROM kindsets") if k & mask]
+
+    def _mask(self, kinds: Iterable) -> int:
+        """The ``blocks.kinds`` bits of these kinds (classes or names; kinds the file does not know have none)."""
+        mask = 0
+        for k in kinds:
+            code = self._codes.get(k if isinstance(k, str) else k.__name__)
+            if code is not None:
+                mask |= 1 << code
+        return mask
+
     def __enter__(self) -> Recording:
         return self
 
@@ -1062,7 +1316,7 @@ class Recording:
         """(first, last): the range of steps ``state_at`` can answer (first: the oldest kept snapshot)."""
         with self._read() as conn:
             first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-            last = conn.execute("SELECT max(step) FROM events WHERE kind = 'StepBoundary'").fetchone()[0]
+            last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
             top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
         if first is None:
             raise RecordingError(f"{self.path}: the recording has no snapshot")
@@ -1088,31 +1342,48 @@ class Recording:
         self, start: int | None = None, stop: int | None = None, *, kinds: Iterable | None = None
     ) -> Iterator[ev.Event]:
         """Decoded events with ``start <= step < stop`` (None: unbounded), in seq order; ``kinds``: event classes
-        or their names. Read in chunks (each its own read transaction), so a long iteration follows the writer."""
+        or their names. Read in chunks of blocks (each its own read transaction), so a long iteration follows the
+        writer."""
         where, args = _step_range(start, stop)
+        wanted = None
         if kinds is not None:
-            names = [k if isinstance(k, str) else k.__name__ for k in kinds]
-            where += (" AND " if where else " WHERE ") + f"kind IN ({','.join('?' * len(names))})"
-            args = [*args, *names]
+            kinds = list(kinds)
+            mask = self._mask(kinds)
+            if not mask:
+                return
+            wanted = {self._classes[c] for c in range(len(self._classes)) if mask >> c & 1}
+            with self._read() as conn:
+                sets = self._kindsets(conn, mask)
+                if not sets:
+                    return
+                cond = f"kinds IN ({','.join(map(str, sets))})"
+                n = conn.execute(f"SELECT count(*) FROM blocks{where}{' AND ' if where else ' WHERE '}{cond}", args)
+                # Few blocks: found by the kinds index (and sorted); many: read in seq order, filtered ("+": no
+                # index), so that each chunk does not sort them all again.
+                if n.fetchone()[0] > 4 * _READ_BLOCKS:
+                    cond = "+" + cond
+            where += (" AND " if where else " WHERE ") + cond
         where += (" AND " if where else " WHERE ") + "seq > ?"
         after = -(2**62)
         while True:
             with self._read() as conn:
                 rows = conn.execute(
-                    f"SELECT seq, step, ts, kind, payload FROM events{where} ORDER BY seq LIMIT {_READ_CHUNK}",
+                    f"SELECT seq, step, payload FROM blocks{where} ORDER BY seq LIMIT {_READ_BLOCKS}",
                     [*args, after],
                 ).fetchall()
             if not rows:
                 return
-            for seq, step, ts, kind, payload in rows:
-                yield self._decode(kind, seq, step, ts, payload)
+            for seq, step, payload in rows:
+                for e in self._decode(seq, step, payload):
+                    if wanted is None or type(e) in wanted:
+                        yield e
             after = rows[-1][0]
 
-    def _decode(self, kind, seq, step, ts, payload) -> ev.Event:
+    def _decode(self, seq, step, payload) -> list[ev.Event]:
         try:
-            return decode_event(kind, seq, step, ts, payload)
-        except (ValueError, TypeError, KeyError, zlib.error, struct.error) as exc:
-            raise RecordingError(f"{self.path}: event {seq} ({kind}) cannot be decoded: {exc}") from exc
+            return _decode_block(payload, seq, step, self._classes)
+        except (ValueError, TypeError, KeyError, IndexError, zlib.error, struct.error) as exc:
+            raise RecordingError(f"{self.path}: the events from seq {seq} cannot be decoded: {exc}") from exc
 
     def state_at(self, step: int) -> ReplayState:
         """Pages and ledger at step ``step``: the nearest snapshot at or before it plus the events up to that
@@ -1121,7 +1392,7 @@ class Recording:
         step = int(step)
         with self._read() as conn:
             end = conn.execute(
-                "SELECT max(seq) FROM events WHERE kind = 'StepBoundary' AND step = ?", (step,)
+                "SELECT max(boundary) FROM blocks WHERE step = ? AND boundary IS NOT NULL", (step,)
             ).fetchone()[0]
             if end is None:
                 row = conn.execute("SELECT max(seq) FROM snapshots WHERE step = ?", (step,)).fetchone()
@@ -1132,7 +1403,7 @@ class Recording:
             base_seq = row[0]
             if base_seq is None:
                 first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-                last = conn.execute("SELECT max(step) FROM events WHERE kind = 'StepBoundary'").fetchone()[0]
+                last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
                 last = first if last is None else last
                 raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
             snap_rows = conn.execute(
@@ -1140,16 +1411,18 @@ class Recording:
             ).fetchall()
             rows = []
             if end is not None:
-                # "+kind": the kind filter must not pick the (kind, step) index, which would visit every event of
-                # those kinds in the file; the seq range on the primary key visits only the replayed stretch.
+                # From the block holding the first event after the base (blocks do not overlap) to the one
+                # holding the boundary; blocks with no state-changing event are skipped.
+                lo = conn.execute("SELECT max(seq) FROM blocks WHERE seq <= ?", (base_seq + 1,)).fetchone()[0]
                 rows = conn.execute(
-                    "SELECT seq, step, ts, kind, payload FROM events WHERE seq > ? AND seq <= ? "
-                    f"AND +kind IN ({','.join('?' * len(_STATE_KINDS))}) ORDER BY seq",
-                    (base_seq, end, *_STATE_KINDS),
+                    "SELECT seq, step, payload FROM blocks WHERE seq >= ? AND seq <= ? AND kinds & ? != 0 "
+                    "ORDER BY seq",
+                    (base_seq + 1 if lo is None else lo, end, self._state_mask),
                 ).fetchall()
         state = self._base(base_seq, snap_rows)
+        events = (e for s, st, p in rows for e in self._decode(s, st, p) if e.seq <= end)
         try:
-            return replay.apply(state, (self._decode(k, s, st, t, p) for s, st, t, k, p in rows), inplace=True)
+            return replay.apply(state, events, inplace=True)
         except replay.IncompleteHistory as exc:
             raise replay.IncompleteHistory(f"{self.path}: step {step}: {exc}") from exc
 
@@ -1172,7 +1445,7 @@ class Recording:
     def event_count(self) -> int:
         """Number of stored events (retention and lost events excluded)."""
         with self._read() as conn:
-            return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+            return int(conn.execute("SELECT coalesce(sum(n), 0) FROM blocks").fetchone()[0])
 
     def violation_counts(self, start: int | None = None, stop: int | None = None) -> dict[str, int]:
         """Invariant id -> number of violations with ``start <= step < stop``, most frequent first."""
@@ -1189,19 +1462,19 @@ class Recording:
         free + staged pages, as ``StepBoundary`` carries it), at most ``max_points``: when there are more
         boundaries, every k-th step counted from the first (k the smallest stride that fits)."""
         where, args = _step_range(start, stop)
-        where += (" AND " if where else " WHERE ") + "kind = 'StepBoundary'"
+        where += (" AND " if where else " WHERE ") + "boundary IS NOT NULL"
         with self._read() as conn:
-            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM events{where}", args).fetchone()
+            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM blocks{where}", args).fetchone()
             if not n:
                 return []
             stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
             rows = conn.execute(
-                f"SELECT seq, step, ts, kind, payload FROM events{where} AND (step - ?) % ? = 0 ORDER BY seq",
+                f"SELECT step, available FROM blocks{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
                 [*args, int(lo), stride],
             ).fetchall()
         out = {}
-        for seq, step, ts, kind, payload in rows:
-            out[int(step)] = dict(self._decode(kind, seq, step, ts, payload).available)  # the last boundary wins
+        for step, available in rows:
+            out[int(step)] = json.loads(available)  # the last boundary wins
         return sorted(out.items())
 
     def event_counts(
@@ -1211,16 +1484,27 @@ class Recording:
         counted per bucket of ``bucket`` steps (buckets aligned to multiples of ``bucket``; empty ones omitted)."""
         names = [k if isinstance(k, str) else k.__name__ for k in kinds]
         bucket = max(1, int(bucket))
-        where, args = _step_range(start, stop)
-        where += (" AND " if where else " WHERE ") + f"kind IN ({','.join('?' * len(names))})"
-        with self._read() as conn:
-            rows = conn.execute(
-                f"SELECT kind, (step / ?) * ? AS b, count(*) FROM events{where} GROUP BY kind, b ORDER BY kind, b",
-                [bucket, bucket, *args, *names],
-            ).fetchall()
         out: dict[str, list] = {n: [] for n in names}
-        for kind, b, n in rows:
-            out[kind].append((int(b), int(n)))
+        codes = {str(self._codes[n]): n for n in names if n in self._codes}
+        if not codes:
+            return out
+        where, args = _step_range(start, stop)
+        with self._read() as conn:
+            sets = self._kindsets(conn, self._mask(names))
+            if not sets:
+                return out
+            where += (" AND " if where else " WHERE ") + f"kinds IN ({','.join(map(str, sets))})"
+            sql = f"SELECT (step / ?) * ? AS b, counts FROM blocks{where}"
+            rows = conn.execute(sql, [bucket, bucket, *args]).fetchall()
+        per: dict[str, dict] = {n: {} for n in names}
+        for b, counts in rows:
+            for code, n in json.loads(counts).items():
+                name = codes.get(code)
+                if name is not None:
+                    d = per[name]
+                    d[b] = d.get(b, 0) + n
+        for name, d in per.items():
+            out[name] = sorted((int(b), int(n)) for b, n in d.items())
         return out
 
     def request_span(self, rid) -> tuple[int, int] | None:
@@ -1229,7 +1513,7 @@ class Recording:
         call for several requests is stored without a request id). None when there is none."""
         rid = _rid(rid)
         with self._read() as conn:
-            a = conn.execute("SELECT min(step), max(step) FROM events WHERE rid = ?", (rid,)).fetchone()
+            a = conn.execute("SELECT min(step), max(step) FROM rids WHERE rid = ?", (rid,)).fetchone()
             b = conn.execute("SELECT min(step), max(step) FROM violations WHERE rid = ?", (rid,)).fetchone()
         lows = [x for x in (a[0], b[0]) if x is not None]
         highs = [x for x in (a[1], b[1]) if x is not None]

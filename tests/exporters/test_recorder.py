@@ -28,11 +28,13 @@ from hypothesis import strategies as st
 
 import exporters.recorder as recorder_mod
 from exporters.recorder import (
+    FORMAT_VERSION,
     FlightRecorder,
     RecorderError,
     Recording,
     RecordingError,
     RecordingNotFoundError,
+    RecordingVersionError,
     decode_event,
     encode_event,
 )
@@ -237,6 +239,11 @@ def test_every_event_kind_round_trips():
         ),
         ev.StepBoundary(seq=11, ts=0.5, step=4, available={"full": 3, "swa": 5}),
         EventsLost(seq=20, ts=0.5, step=4, first_seq=12, last_seq=20, n_events=9),
+        # Arrays that are not all 1-D integers (stored one by one), and integers that need 64 bits.
+        ev.PageUpdate(
+            seq=21, ts=0.25, step=4, op="y", pool="swa", pages=i8(*range(6)).reshape(2, 3), owners=np.array([1.5, -2.0])
+        ),
+        ev.PageUpdate(seq=22, ts=0.25, step=4, op="z", pool="swa", pages=i8(2**40), owners=np.array([5], np.uint8)),
     ]
     cache: dict = {}
     for e in samples:
@@ -260,6 +267,22 @@ def test_every_event_kind_round_trips():
     odd = ev.Free(seq=1, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=(("t", 1), None, 2.5))
     kind, _, payload = encode_event(odd)
     assert decode_event(kind, 1, 0, 0.0, payload).rids == ("('t', 1)", None, "2.5")
+
+
+def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
+    # A block keeps the rids tuples it indexed by identity alive: a later tuple cannot take a freed one's address.
+    from exporters import recorder
+
+    b = recorder._BlockWriter(0, 1, None)
+    ids = []
+    for seq, rid in ((1, "x"), (2, "y"), (3, "z")):
+        e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=("".join(["r", rid]),))
+        ids.append(id(e.rids))
+        b.add(type(e), e.__dict__)
+        del e
+    got = recorder._decode_block(b.row()[-1], 1, 0, recorder._CLASSES)
+    assert [(e.seq, e.rids) for e in got] == [(1, ("rx",)), (2, ("ry",)), (3, ("rz",))]
+    assert len(set(ids)) == 3
 
 
 def test_attached_mid_run_and_event_ranges(tmp_path):
@@ -475,6 +498,28 @@ def test_not_a_recording_is_a_clear_error(tmp_path):
     assert empty.stat().st_size == 0
 
 
+def test_other_format_versions_are_a_clear_error(tmp_path):
+    # A version-1 recording (one row per event) or one from a newer writer: the error names the file and both
+    # versions; a writer may still replace such a file with overwrite=True.
+    e = Engine("paged-4", False, "immediate")
+    for version, word in ((1, "older"), (FORMAT_VERSION + 1, "newer")):
+        path = tmp_path / f"v{version}.db"
+        FlightRecorder(e.w, path).close()
+        with sqlite3.connect(path) as c:
+            c.execute("UPDATE meta SET value = ? WHERE key = 'format_version'", (str(version),))
+        with pytest.raises(RecordingVersionError) as info:
+            Recording(path)
+        assert str(info.value).startswith(
+            f"{path}: recording format version {version} is {word} than this reader's ({FORMAT_VERSION})"
+        )
+        assert isinstance(info.value, RecordingError)
+        with pytest.raises(RecorderError, match="a recording exists there"):
+            FlightRecorder(e.w, path)
+        FlightRecorder(e.w, path, overwrite=True).close()
+        with Recording(path) as r:
+            assert r.meta["format_version"] == FORMAT_VERSION == 2
+
+
 def test_missing_step_is_a_clear_error(tmp_path):
     e = Engine("paged-4", False, "immediate")
     with FlightRecorder(e.w, tmp_path / "r.db", snapshot_every=2) as rec:
@@ -606,14 +651,14 @@ def test_retention_by_bytes_bounds_the_file(tmp_path):
             if e.w.step_count % 10 == 0:
                 rec.flush()
 
-        drive(e, RandomPick(5), 600, on_step)
+        drive(e, RandomPick(5), 1000, on_step)
         rec.close()
         return path, snaps, e
 
     unbounded, _, _ = run(None)
-    path, snaps, e = run(128 * 1024)
-    assert unbounded.stat().st_size > 3 * 128 * 1024
-    assert path.stat().st_size <= 2 * 128 * 1024
+    path, snaps, e = run(64 * 1024)
+    assert unbounded.stat().st_size > 3 * 64 * 1024
+    assert path.stat().st_size <= 2 * 64 * 1024
     with Recording(path) as r:
         first, last = r.steps()
         assert first > 0 and last == e.w.step_count
