@@ -740,13 +740,15 @@ class _IdEngine(Engine):
 
 
 def _texts_of_recording(path) -> list:
-    """Every text the file holds: every text and blob column of every table, blobs decoded (event payloads
-    through ``decode_event``, snapshot ledgers and owners unpacked), and the raw bytes of the file itself."""
+    """Every text the file holds: every text and blob column of every table, blobs decoded (block payloads
+    through ``_decode_block``, deflated or not; snapshot ledgers and owners unpacked), and the raw bytes of the file
+    itself."""
     out: list = []
+    classes = recorder_mod._classes_of(Recording(path).meta["kinds"])
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-        assert set(tables) >= {"meta", "events", "violations", "snapshots"}
+        assert set(tables) == set(recorder_mod._TABLES)
         for table in tables:
             cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
             for row in conn.execute(f"SELECT * FROM {table}"):
@@ -756,9 +758,10 @@ def _texts_of_recording(path) -> list:
                         out.append(str(v))
                     elif isinstance(v, bytes):
                         out.append(v.decode("latin-1"))
-                        if table == "events" and name == "payload":
-                            e = decode_event(row["kind"], row["seq"], row["step"], row["ts"], v)
-                            out.append(repr(e))
+                        if table == "blocks" and name == "payload":
+                            events = recorder_mod._decode_block(v, row["seq"], row["step"], classes)
+                            assert len(events) == row["n"]
+                            out.extend(repr(e) for e in events)
                         elif table == "snapshots" and name == "ledger":
                             out.append(json.dumps(recorder_mod._unpack(v)))
                         elif table == "snapshots" and name == "owner":
