@@ -75,6 +75,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
@@ -82,9 +83,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.redact import as_hasher
@@ -116,6 +118,9 @@ _LEDGER_FIELDS = {
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
+# The most attributes a span (11) or an event (8) of ours carries, with room: span limits below this (set by
+# OTEL_*_ATTRIBUTE_COUNT_LIMIT) are left to the SDK's spans to apply, so the fast path never needs to trim.
+_FAST_MIN_ATTRIBUTES = 16
 
 
 def _attr_value(rid):
@@ -316,13 +321,120 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         return self.counting.failed_exports
 
 
+class _FastTracer:
+    """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
+
+    __slots__ = ("ids", "processor", "provider", "scope")
+
+    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
+        self.provider = provider
+        self.ids = provider.id_generator
+        self.processor = processor
+        # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
+        self.scope = InstrumentationScope(TRACER_NAME, "", None, None)
+
+    def start_span(self, name: str, attributes: dict, parent: SpanContext | None = None) -> _FastSpan:
+        return _FastSpan(self, name, attributes, parent)
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
+
+
+class _FastSpan:
+    """A span of our own provider while it lives: a plain record, ended into one ``ReadableSpan`` for our processor.
+
+    Implements the part of the SDK ``Span`` API this module uses (``set_attribute``, ``set_attributes``,
+    ``add_event``, ``set_status``, ``end``, ``get_span_context``, ``is_recording``), with the SDK span's results
+    under the conditions ``OtelExporter`` checks before using it (see ``_fast_tracer``): sampled (the provider's
+    sampler is ALWAYS_ON or the default parent-based one, and a parent is always one of our sampled spans), ids from
+    the provider's id generator, times from ``time.time_ns``, no attribute to trim (the limits leave room for all
+    of ours; events are bounded by ``OtelExporter`` itself). Not thread-safe: used under the exporter's lock. What
+    it skips: the sampler call, ``SpanLimits``/``BoundedAttributes`` copies and checks, the span's lock, and the
+    provider's ``on_start``/``on_end`` fan-out (the span goes to our ``CountingBatchSpanProcessor`` alone).
+    """
+
+    __slots__ = (
+        "_ctx",
+        "_tracer",
+        "attributes",
+        "end_time",
+        "events",
+        "name",
+        "parent",
+        "span_id",
+        "start_time",
+        "status",
+        "trace_id",
+    )
+
+    def __init__(self, tracer: _FastTracer, name: str, attributes: dict, parent: SpanContext | None):
+        ids = tracer.ids
+        self._tracer = tracer
+        self.name = name
+        self.parent = parent
+        self.trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
+        self.span_id = ids.generate_span_id()
+        self.attributes = attributes  # owned by the span from here on
+        self.events: list = []
+        self.status = _UNSET
+        self._ctx: SpanContext | None = None
+        self.end_time: int | None = None
+        self.start_time = time.time_ns()
+
+    def get_span_context(self) -> SpanContext:
+        ctx = self._ctx
+        if ctx is None:
+            ctx = self._ctx = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED)
+        return ctx
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attribute(self, key: str, value) -> None:
+        if self.end_time is None:
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict) -> None:
+        if self.end_time is None:
+            self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
+        if self.end_time is None:
+            self.events.append(Event(name, attributes, time.time_ns() if timestamp is None else timestamp))
+
+    def set_status(self, status: Status) -> None:
+        if self.end_time is None:
+            self.status = status
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is not None:
+            return  # ended once, exported once (the SDK only logs a second end)
+        self.end_time = time.time_ns() if end_time is None else end_time
+        tracer = self._tracer
+        tracer.processor.on_end(
+            ReadableSpan(
+                self.name,
+                context=self.get_span_context(),
+                parent=self.parent,
+                resource=tracer.provider.resource,
+                attributes=self.attributes,
+                events=tuple(self.events),
+                kind=SpanKind.INTERNAL,
+                status=self.status,
+                start_time=self.start_time,
+                end_time=self.end_time,
+                instrumentation_scope=tracer.scope,
+            )
+        )
+
+
 class _Req:
     """An open request span and what will be set on it at the end."""
 
     __slots__ = (
         "allocated",
         "committed",
-        "ctx",
         "cur_allocated",
         "cur_committed",
         "decode_steps",
@@ -330,14 +442,11 @@ class _Req:
         "evicted",
         "n_events",
         "span",
-        "trace_hex",
         "violations",
     )
 
     def __init__(self, span):
         self.span = span
-        self.ctx = span.get_span_context()
-        self.trace_hex = _trace_hex(self.ctx)
         # Reported: the record as allocations and checked writes left it. Current: the ledger's values now
         # (frees included), what the next allocation's per-request share is measured from.
         self.allocated = self.committed = self.evicted = 0
@@ -361,6 +470,7 @@ class OtelExporter:
         tracer_provider=None,
         max_events_per_span: int = 64,
         endpoint: str | None = None,
+        span_exporter: SpanExporter | None = None,
         hash_request_ids=None,
         counting_exporter: CountingSpanExporter | CountingBatchSpanProcessor | None = None,
     ):
@@ -370,6 +480,10 @@ class OtelExporter:
             raise ValueError(f"max_events_per_span: expected >= 1, got {max_events_per_span}")
         if tracer_provider is not None and endpoint is not None:
             raise ValueError("endpoint= configures the exporter's own provider; it cannot apply to a tracer_provider")
+        if span_exporter is not None and (tracer_provider is not None or endpoint is not None):
+            raise ValueError("span_exporter= is for the own provider: not with tracer_provider= or endpoint=")
+        if span_exporter is not None and not callable(getattr(span_exporter, "export", None)):
+            raise TypeError(f"span_exporter: expected a SpanExporter, got {type(span_exporter).__name__}")
         if counting_exporter is not None and not isinstance(
             counting_exporter, (CountingSpanExporter, CountingBatchSpanProcessor)
         ):
@@ -388,10 +502,12 @@ class OtelExporter:
         self._owns_provider = tracer_provider is None
         self._span_exporter = None
         self._counting = counting_exporter
+        self._limits: SpanLimits | None = None
         if tracer_provider is None:
-            tracer_provider = self._build_provider(endpoint)
+            tracer_provider = self._build_provider(endpoint, span_exporter)
         self._provider = tracer_provider
         self._tracer = tracer_provider.get_tracer(TRACER_NAME)
+        self._fast = self._fast_tracer()
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
@@ -420,20 +536,42 @@ class OtelExporter:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
             alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
 
-    def _build_provider(self, endpoint: str | None) -> TracerProvider:
+    def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None) -> TracerProvider:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-        self._span_exporter = CountingSpanExporter(
-            OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        if span_exporter is None:
+            span_exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        self._span_exporter = (
+            span_exporter if isinstance(span_exporter, CountingSpanExporter) else CountingSpanExporter(span_exporter)
         )
         self._counting = CountingBatchSpanProcessor(self._span_exporter)
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
             limits = SpanLimits(max_events=self._max_events)
+        self._limits = limits
         provider = TracerProvider(resource=resource, span_limits=limits)
         provider.add_span_processor(self._counting)
         return provider
+
+    def _fast_tracer(self) -> _FastTracer | None:
+        """Spans as ``_FastSpan`` records when they would come out the same as the SDK's: our own provider, enabled
+        (not ``OTEL_SDK_DISABLED``), sampling every span (``OTEL_TRACES_SAMPLER`` unset, ``parentbased_always_on``
+        or ``always_on``; a violation span's parent is always one of our sampled spans) and limits that trim
+        nothing of ours. Otherwise None: the SDK's spans, which apply the sampler and limits."""
+        limits = self._limits
+        if not self._owns_provider or limits is None or type(self._tracer) is not Tracer:
+            return None
+        if self._provider.sampler not in (sampling.DEFAULT_ON, sampling.ALWAYS_ON):
+            return None
+        if limits.max_attribute_length is not None or limits.max_span_attribute_length is not None:
+            return None
+        for n in (limits.max_span_attributes, limits.max_event_attributes):
+            if n is not None and n < _FAST_MIN_ATTRIBUTES:
+                return None
+        if limits.max_events is not None and limits.max_events < self._max_events:
+            return None
+        return _FastTracer(self._provider, self._counting)
 
     # -- public -----------------------------------------------------------------------------------------------
     @property
@@ -456,11 +594,11 @@ class OtelExporter:
         with self._lock:
             r = self._open.get(rid)
             if r is not None:
-                return r.trace_hex
+                return _trace_hex(r.span.get_span_context())
             if self._closed:
                 return None
             if rid in self._ledger:
-                return self._start(rid).trace_hex
+                return _trace_hex(self._start(rid).span.get_span_context())
             return _trace_hex(self._ended.get(rid))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -531,12 +669,16 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        span = self._tracer.start_span(
-            SPAN_REQUEST,
-            context=Context(),  # a root span: the engine's current context is no parent of a request's KV
-            kind=SpanKind.INTERNAL,
-            attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
-        )
+        attrs = {"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps}
+        if self._fast is not None:
+            span = self._fast.start_span(SPAN_REQUEST, attrs)
+        else:
+            span = self._tracer.start_span(
+                SPAN_REQUEST,
+                context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+                kind=SpanKind.INTERNAL,
+                attributes=attrs,
+            )
         r = _Req(span)
         self._open[rid] = r
         self._open_version += 1
@@ -707,7 +849,7 @@ class OtelExporter:
         self._add_event(r, EV_RELEASE, attrs, reserved=True)
         self._end(r, held=e.pages_held, peak=e.pages_peak)
         ended = self._ended
-        ended[e.rid] = r.ctx
+        ended[e.rid] = r.span.get_span_context()
         while len(ended) > _RECENT_ENDED:
             ended.popitem(last=False)
 
@@ -733,13 +875,15 @@ class OtelExporter:
                 r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
             later.append((r, EV_VIOLATION, attrs))
             return
-        parent = Context()
+        ctx = None
         if rid is not None:
             attrs["kv.request.id"] = self._id_attr(rid)
             ctx = self._ended.get(rid)
-            if ctx is not None:
-                parent = trace.set_span_in_context(NonRecordingSpan(ctx), Context())
-        span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
+        if self._fast is not None:
+            span = self._fast.start_span(SPAN_VIOLATION, dict(attrs), ctx)  # its own dict: the event keeps attrs
+        else:
+            parent = Context() if ctx is None else trace.set_span_in_context(NonRecordingSpan(ctx), Context())
+            span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
         span.add_event(EV_VIOLATION, attrs)
         span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
         span.end()
