@@ -34,7 +34,7 @@ What is traced
 
 Threading and what is dropped when
 - The sink runs on the engine thread, inside the wrapper's call, after the allocator call returned. It only
-  starts and ends spans and adds events and attributes: SDK operations in memory. It never raises into the
+  starts and ends spans and adds events and attributes: operations in memory. It never raises into the
   wrapper: a batch it fails on is refused (returns False), so the bus counts it in ``alloc.bus.dropped["otel"]``;
   ``errors`` counts them here.
 - Ended spans go to a ``CountingBatchSpanProcessor`` (the SDK's ``BatchSpanProcessor`` with exact loss counts): a
@@ -53,6 +53,16 @@ Threading and what is dropped when
   losses reported the same way.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
+- The fast span path (our own provider only): when every span would be sampled (``OTEL_TRACES_SAMPLER`` unset,
+  ``parentbased_always_on`` or ``always_on``), the SDK is enabled and the span limits trim nothing of ours (no
+  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
+  least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
+  provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
+  ``CountingBatchSpanProcessor``. What is exported is the same as the SDK's spans would give (name, ids, parent,
+  attributes, events, status, kind, resource, scope, times from ``time.time_ns``); what is skipped is the SDK's
+  per-span machinery (sampler call, attribute copies and checks, the span's lock). Processors added to our
+  ``tracer_provider`` afterwards see none of these spans (pass your own provider for that). Any other sampler or
+  limit: the SDK's spans, which apply them.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
 
@@ -66,7 +76,9 @@ Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318/v1/traces``), ``..._HEADERS``, ``..._TIMEOUT``,
 ``..._COMPRESSION``, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (service name default
 ``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``. ``endpoint=`` overrides the endpoint variables
-(a URL without a path gets ``/v1/traces``).
+(a URL without a path gets ``/v1/traces``). ``span_exporter=`` replaces the OTLP exporter of our own provider (any
+``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so its failed
+exports are counted the same way).
 """
 
 from __future__ import annotations
