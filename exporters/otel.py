@@ -265,6 +265,8 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     ``dropped`` = spans of failed exports + ``queue_full``: a running total that never decreases.
     Thread-safe: ``on_end`` runs on the thread that ends the span (the engine's), exports on the processor's
     worker; the counts are read from any thread. ``on_end`` costs a lock and a comparison; it never waits.
+    ``admit(span)`` is ``on_end`` without the sampled check, for a span known to be sampled (``OtelExporter``'s
+    fast path hands its spans there).
     """
 
     def __init__(
@@ -293,10 +295,16 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         self._handed = self.counting.settled()  # a CountingSpanExporter passed in may have exported before
         self._queue_full = 0
         self._closed = False
+        # The SDK's on_end is its own sampled check, then this queue's emit: call emit directly when it is there.
+        inner = getattr(self, "_batch_processor", None)
+        self._emit = getattr(inner, "emit", None) or super().on_end
 
     def on_end(self, span) -> None:
-        if not (span.context and span.context.trace_flags.sampled):
-            return  # the SDK's processor ignores unsampled spans too
+        if span.context and span.context.trace_flags.sampled:  # the SDK's processor ignores unsampled spans too
+            self.admit(span)
+
+    def admit(self, span) -> None:
+        """``on_end`` of a span known to be sampled (``OtelExporter``'s fast path builds only such spans)."""
         settled = self.counting.settled()
         with self._count_lock:
             if self._closed:
@@ -306,7 +314,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
                 self._queue_full += 1
                 return
             self._handed += 1
-        super().on_end(span)
+        self._emit(span)
 
     def shutdown(self) -> None:
         with self._count_lock:
@@ -424,7 +432,7 @@ class _FastSpan:
             return  # ended once, exported once (the SDK only logs a second end)
         self.end_time = time.time_ns() if end_time is None else end_time
         tracer = self._tracer
-        tracer.processor.on_end(
+        tracer.processor.admit(
             ReadableSpan(
                 self.name,
                 context=self.get_span_context(),
@@ -852,11 +860,11 @@ class OtelExporter:
         if r is None:
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
-        # This batch's earlier events first, then the release in its reserved place.
-        for item in later:
-            if item[0] is r:
-                self._add_event(r, item[1], item[2])
-        later[:] = [item for item in later if item[0] is not r]
+        if later:  # this batch's earlier events first, then the release in its reserved place
+            for item in later:
+                if item[0] is r:
+                    self._add_event(r, item[1], item[2])
+            later[:] = [item for item in later if item[0] is not r]
         attrs = {"kv.pages_held": e.pages_held, "kv.pages_peak": e.pages_peak, "kv.step": e.step}
         self._add_event(r, EV_RELEASE, attrs, reserved=True)
         self._end(r, held=e.pages_held, peak=e.pages_peak)
