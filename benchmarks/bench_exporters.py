@@ -3,8 +3,9 @@
 Engine loop rows: the same engine-like loop of wrapped extend / decode / free calls (32 requests of 40 prompt
 tokens, 24 decode steps each, a ``step()`` per decode; the requests are then freed and released one by one) with
 one exporter attached vs none, interleaved. Short-lived requests: what an exporter pays per request (a span, its
-events, a histogram observation) weighs heavily here. The OTel exporter gets a ``BatchSpanProcessor`` with an
-in-memory span exporter (no encoding, no network).
+events, a histogram observation) weighs heavily here. The OTel exporter gets its own provider as deployed (the
+default sampler, its ``CountingBatchSpanProcessor``: the fast span path) exporting to an in-memory span exporter
+(``span_exporter=``: no encoding, no network).
 
 Demo engine rows (prometheus and otel): the demo engine (``instrumented_alloc.sim``, preset swa-128: continuous
 batching, chunked prefill, SWA eviction every 64 tokens; prompts of a median 256 tokens and outputs of a median 128
@@ -76,15 +77,11 @@ def _attach(kind: str, alloc, tmp: Path):
 
         return PrometheusExporter(alloc, registry=CollectorRegistry())
     if kind == "otel":
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         from exporters.otel import OtelExporter
 
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-        return OtelExporter(alloc, tracer_provider=provider)
+        return OtelExporter(alloc, span_exporter=InMemorySpanExporter())
     if kind == "recorder":
         from exporters.recorder import FlightRecorder
 

@@ -34,7 +34,7 @@ What is traced
 
 Threading and what is dropped when
 - The sink runs on the engine thread, inside the wrapper's call, after the allocator call returned. It only
-  starts and ends spans and adds events and attributes: SDK operations in memory. It never raises into the
+  starts and ends spans and adds events and attributes: operations in memory. It never raises into the
   wrapper: a batch it fails on is refused (returns False), so the bus counts it in ``alloc.bus.dropped["otel"]``;
   ``errors`` counts them here.
 - Ended spans go to a ``CountingBatchSpanProcessor`` (the SDK's ``BatchSpanProcessor`` with exact loss counts): a
@@ -53,6 +53,16 @@ Threading and what is dropped when
   losses reported the same way.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
+- The fast span path (our own provider only): when every span would be sampled (``OTEL_TRACES_SAMPLER`` unset,
+  ``parentbased_always_on`` or ``always_on``), the SDK is enabled and the span limits trim nothing of ours (no
+  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
+  least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
+  provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
+  ``CountingBatchSpanProcessor``. What is exported is the same as the SDK's spans would give (name, ids, parent,
+  attributes, events, status, kind, resource, scope, times from ``time.time_ns``); what is skipped is the SDK's
+  per-span machinery (sampler call, attribute copies and checks, the span's lock). Processors added to our
+  ``tracer_provider`` afterwards see none of these spans (pass your own provider for that). Any other sampler or
+  limit: the SDK's spans, which apply them.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
 
@@ -66,7 +76,9 @@ Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318/v1/traces``), ``..._HEADERS``, ``..._TIMEOUT``,
 ``..._COMPRESSION``, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (service name default
 ``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``. ``endpoint=`` overrides the endpoint variables
-(a URL without a path gets ``/v1/traces``).
+(a URL without a path gets ``/v1/traces``). ``span_exporter=`` replaces the OTLP exporter of our own provider (any
+``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so its failed
+exports are counted the same way).
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
@@ -82,9 +95,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.redact import as_hasher
@@ -116,6 +130,9 @@ _LEDGER_FIELDS = {
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
+# The most attributes a span (11) or an event (8) of ours carries, with room: span limits below this (set by
+# OTEL_*_ATTRIBUTE_COUNT_LIMIT) are left to the SDK's spans to apply, so the fast path never needs to trim.
+_FAST_MIN_ATTRIBUTES = 16
 
 
 def _attr_value(rid):
@@ -248,6 +265,8 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     ``dropped`` = spans of failed exports + ``queue_full``: a running total that never decreases.
     Thread-safe: ``on_end`` runs on the thread that ends the span (the engine's), exports on the processor's
     worker; the counts are read from any thread. ``on_end`` costs a lock and a comparison; it never waits.
+    ``admit(span)`` is ``on_end`` without the sampled check, for a span known to be sampled (``OtelExporter``'s
+    fast path hands its spans there).
     """
 
     def __init__(
@@ -276,10 +295,16 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         self._handed = self.counting.settled()  # a CountingSpanExporter passed in may have exported before
         self._queue_full = 0
         self._closed = False
+        # The SDK's on_end is its own sampled check, then this queue's emit: call emit directly when it is there.
+        inner = getattr(self, "_batch_processor", None)
+        self._emit = getattr(inner, "emit", None) or super().on_end
 
     def on_end(self, span) -> None:
-        if not (span.context and span.context.trace_flags.sampled):
-            return  # the SDK's processor ignores unsampled spans too
+        if span.context and span.context.trace_flags.sampled:  # the SDK's processor ignores unsampled spans too
+            self.admit(span)
+
+    def admit(self, span) -> None:
+        """``on_end`` of a span known to be sampled (``OtelExporter``'s fast path builds only such spans)."""
         settled = self.counting.settled()
         with self._count_lock:
             if self._closed:
@@ -289,7 +314,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
                 self._queue_full += 1
                 return
             self._handed += 1
-        super().on_end(span)
+        self._emit(span)
 
     def shutdown(self) -> None:
         with self._count_lock:
@@ -316,13 +341,120 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         return self.counting.failed_exports
 
 
+class _FastTracer:
+    """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
+
+    __slots__ = ("ids", "processor", "provider", "scope")
+
+    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
+        self.provider = provider
+        self.ids = provider.id_generator
+        self.processor = processor
+        # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
+        self.scope = InstrumentationScope(TRACER_NAME, "", None, None)
+
+    def start_span(self, name: str, attributes: dict, parent: SpanContext | None = None) -> _FastSpan:
+        return _FastSpan(self, name, attributes, parent)
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
+
+
+class _FastSpan:
+    """A span of our own provider while it lives: a plain record, ended into one ``ReadableSpan`` for our processor.
+
+    Implements the part of the SDK ``Span`` API this module uses (``set_attribute``, ``set_attributes``,
+    ``add_event``, ``set_status``, ``end``, ``get_span_context``, ``is_recording``), with the SDK span's results
+    under the conditions ``OtelExporter`` checks before using it (see ``_fast_tracer``): sampled (the provider's
+    sampler is ALWAYS_ON or the default parent-based one, and a parent is always one of our sampled spans), ids from
+    the provider's id generator, times from ``time.time_ns``, no attribute to trim (the limits leave room for all
+    of ours; events are bounded by ``OtelExporter`` itself). Not thread-safe: used under the exporter's lock. What
+    it skips: the sampler call, ``SpanLimits``/``BoundedAttributes`` copies and checks, the span's lock, and the
+    provider's ``on_start``/``on_end`` fan-out (the span goes to our ``CountingBatchSpanProcessor`` alone).
+    """
+
+    __slots__ = (
+        "_ctx",
+        "_tracer",
+        "attributes",
+        "end_time",
+        "events",
+        "name",
+        "parent",
+        "span_id",
+        "start_time",
+        "status",
+        "trace_id",
+    )
+
+    def __init__(self, tracer: _FastTracer, name: str, attributes: dict, parent: SpanContext | None):
+        ids = tracer.ids
+        self._tracer = tracer
+        self.name = name
+        self.parent = parent
+        self.trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
+        self.span_id = ids.generate_span_id()
+        self.attributes = attributes  # owned by the span from here on
+        self.events: list = []
+        self.status = _UNSET
+        self._ctx: SpanContext | None = None
+        self.end_time: int | None = None
+        self.start_time = time.time_ns()
+
+    def get_span_context(self) -> SpanContext:
+        ctx = self._ctx
+        if ctx is None:
+            ctx = self._ctx = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED)
+        return ctx
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attribute(self, key: str, value) -> None:
+        if self.end_time is None:
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict) -> None:
+        if self.end_time is None:
+            self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
+        if self.end_time is None:
+            self.events.append(Event(name, attributes, time.time_ns() if timestamp is None else timestamp))
+
+    def set_status(self, status: Status) -> None:
+        if self.end_time is None:
+            self.status = status
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time is not None:
+            return  # ended once, exported once (the SDK only logs a second end)
+        self.end_time = time.time_ns() if end_time is None else end_time
+        tracer = self._tracer
+        tracer.processor.admit(
+            ReadableSpan(
+                self.name,
+                context=self.get_span_context(),
+                parent=self.parent,
+                resource=tracer.provider.resource,
+                attributes=self.attributes,
+                events=tuple(self.events),
+                kind=SpanKind.INTERNAL,
+                status=self.status,
+                start_time=self.start_time,
+                end_time=self.end_time,
+                instrumentation_scope=tracer.scope,
+            )
+        )
+
+
 class _Req:
     """An open request span and what will be set on it at the end."""
 
     __slots__ = (
         "allocated",
         "committed",
-        "ctx",
         "cur_allocated",
         "cur_committed",
         "decode_steps",
@@ -330,14 +462,11 @@ class _Req:
         "evicted",
         "n_events",
         "span",
-        "trace_hex",
         "violations",
     )
 
     def __init__(self, span):
         self.span = span
-        self.ctx = span.get_span_context()
-        self.trace_hex = _trace_hex(self.ctx)
         # Reported: the record as allocations and checked writes left it. Current: the ledger's values now
         # (frees included), what the next allocation's per-request share is measured from.
         self.allocated = self.committed = self.evicted = 0
@@ -361,6 +490,7 @@ class OtelExporter:
         tracer_provider=None,
         max_events_per_span: int = 64,
         endpoint: str | None = None,
+        span_exporter: SpanExporter | None = None,
         hash_request_ids=None,
         counting_exporter: CountingSpanExporter | CountingBatchSpanProcessor | None = None,
     ):
@@ -370,6 +500,10 @@ class OtelExporter:
             raise ValueError(f"max_events_per_span: expected >= 1, got {max_events_per_span}")
         if tracer_provider is not None and endpoint is not None:
             raise ValueError("endpoint= configures the exporter's own provider; it cannot apply to a tracer_provider")
+        if span_exporter is not None and (tracer_provider is not None or endpoint is not None):
+            raise ValueError("span_exporter= is for the own provider: not with tracer_provider= or endpoint=")
+        if span_exporter is not None and not callable(getattr(span_exporter, "export", None)):
+            raise TypeError(f"span_exporter: expected a SpanExporter, got {type(span_exporter).__name__}")
         if counting_exporter is not None and not isinstance(
             counting_exporter, (CountingSpanExporter, CountingBatchSpanProcessor)
         ):
@@ -388,10 +522,12 @@ class OtelExporter:
         self._owns_provider = tracer_provider is None
         self._span_exporter = None
         self._counting = counting_exporter
+        self._limits: SpanLimits | None = None
         if tracer_provider is None:
-            tracer_provider = self._build_provider(endpoint)
+            tracer_provider = self._build_provider(endpoint, span_exporter)
         self._provider = tracer_provider
         self._tracer = tracer_provider.get_tracer(TRACER_NAME)
+        self._fast = self._fast_tracer()
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
@@ -420,20 +556,42 @@ class OtelExporter:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
             alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
 
-    def _build_provider(self, endpoint: str | None) -> TracerProvider:
+    def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None) -> TracerProvider:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-        self._span_exporter = CountingSpanExporter(
-            OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        if span_exporter is None:
+            span_exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+        self._span_exporter = (
+            span_exporter if isinstance(span_exporter, CountingSpanExporter) else CountingSpanExporter(span_exporter)
         )
         self._counting = CountingBatchSpanProcessor(self._span_exporter)
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
             limits = SpanLimits(max_events=self._max_events)
+        self._limits = limits
         provider = TracerProvider(resource=resource, span_limits=limits)
         provider.add_span_processor(self._counting)
         return provider
+
+    def _fast_tracer(self) -> _FastTracer | None:
+        """Spans as ``_FastSpan`` records when they would come out the same as the SDK's: our own provider, enabled
+        (not ``OTEL_SDK_DISABLED``), sampling every span (``OTEL_TRACES_SAMPLER`` unset, ``parentbased_always_on``
+        or ``always_on``; a violation span's parent is always one of our sampled spans) and limits that trim
+        nothing of ours. Otherwise None: the SDK's spans, which apply the sampler and limits."""
+        limits = self._limits
+        if not self._owns_provider or limits is None or type(self._tracer) is not Tracer:
+            return None
+        if self._provider.sampler not in (sampling.DEFAULT_ON, sampling.ALWAYS_ON):
+            return None
+        if limits.max_attribute_length is not None or limits.max_span_attribute_length is not None:
+            return None
+        for n in (limits.max_span_attributes, limits.max_event_attributes):
+            if n is not None and n < _FAST_MIN_ATTRIBUTES:
+                return None
+        if limits.max_events is not None and limits.max_events < self._max_events:
+            return None
+        return _FastTracer(self._provider, self._counting)
 
     # -- public -----------------------------------------------------------------------------------------------
     @property
@@ -456,11 +614,11 @@ class OtelExporter:
         with self._lock:
             r = self._open.get(rid)
             if r is not None:
-                return r.trace_hex
+                return _trace_hex(r.span.get_span_context())
             if self._closed:
                 return None
             if rid in self._ledger:
-                return self._start(rid).trace_hex
+                return _trace_hex(self._start(rid).span.get_span_context())
             return _trace_hex(self._ended.get(rid))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -531,12 +689,16 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        span = self._tracer.start_span(
-            SPAN_REQUEST,
-            context=Context(),  # a root span: the engine's current context is no parent of a request's KV
-            kind=SpanKind.INTERNAL,
-            attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
-        )
+        attrs = {"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps}
+        if self._fast is not None:
+            span = self._fast.start_span(SPAN_REQUEST, attrs)
+        else:
+            span = self._tracer.start_span(
+                SPAN_REQUEST,
+                context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+                kind=SpanKind.INTERNAL,
+                attributes=attrs,
+            )
         r = _Req(span)
         self._open[rid] = r
         self._open_version += 1
@@ -698,16 +860,16 @@ class OtelExporter:
         if r is None:
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
-        # This batch's earlier events first, then the release in its reserved place.
-        for item in later:
-            if item[0] is r:
-                self._add_event(r, item[1], item[2])
-        later[:] = [item for item in later if item[0] is not r]
+        if later:  # this batch's earlier events first, then the release in its reserved place
+            for item in later:
+                if item[0] is r:
+                    self._add_event(r, item[1], item[2])
+            later[:] = [item for item in later if item[0] is not r]
         attrs = {"kv.pages_held": e.pages_held, "kv.pages_peak": e.pages_peak, "kv.step": e.step}
         self._add_event(r, EV_RELEASE, attrs, reserved=True)
         self._end(r, held=e.pages_held, peak=e.pages_peak)
         ended = self._ended
-        ended[e.rid] = r.ctx
+        ended[e.rid] = r.span.get_span_context()
         while len(ended) > _RECENT_ENDED:
             ended.popitem(last=False)
 
@@ -733,13 +895,15 @@ class OtelExporter:
                 r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
             later.append((r, EV_VIOLATION, attrs))
             return
-        parent = Context()
+        ctx = None
         if rid is not None:
             attrs["kv.request.id"] = self._id_attr(rid)
             ctx = self._ended.get(rid)
-            if ctx is not None:
-                parent = trace.set_span_in_context(NonRecordingSpan(ctx), Context())
-        span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
+        if self._fast is not None:
+            span = self._fast.start_span(SPAN_VIOLATION, dict(attrs), ctx)  # its own dict: the event keeps attrs
+        else:
+            parent = Context() if ctx is None else trace.set_span_in_context(NonRecordingSpan(ctx), Context())
+            span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
         span.add_event(EV_VIOLATION, attrs)
         span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
         span.end()

@@ -33,6 +33,7 @@ class Receiver:
         self.errors_sent = 0
         self.n_spans = 0
         self.spans: list = []  # (resource attributes, span proto)
+        self.scopes: list = []  # the instrumentation scope's name of each span in ``spans``
         self.encodings: list = []
         self.hits = 0
         self.first_hit: float | None = None
@@ -69,15 +70,18 @@ class Receiver:
                         body = gzip.decompress(body)
                     req = ExportTraceServiceRequest()
                     req.ParseFromString(body)
-                    got = []
+                    got, scopes = [], []
                     for rs in req.resource_spans:
                         res = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
-                        got += [(res, span) for ss in rs.scope_spans for span in ss.spans]
+                        for ss in rs.scope_spans:
+                            got += [(res, span) for span in ss.spans]
+                            scopes += [ss.scope.name] * len(ss.spans)
                     with receiver.lock:
                         receiver.n_spans += len(got)
                         if receiver.keep:
                             receiver.encodings.append(encoding)
                             receiver.spans += got
+                            receiver.scopes += scopes
                     payload = ExportTraceServiceResponse().SerializeToString()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/x-protobuf")

@@ -283,7 +283,9 @@ def test_otlp_collector_slow_queue_full_is_counted(otel_env, caplog):
 
         rx.delay = 0.0
         later = []
-        for _ in range(3):  # each round's 4 spans exported before the next ends (a queue of 8 never fills)
+        for _ in range(3):
+            # A round (4 spans) at a time, each flushed: the queue of 8 cannot fill however late this machine
+            # schedules the processor's worker (3 rounds at once could outrun it and be refused, counted).
             with no_gc():
                 later += h.round()
             assert exp.force_flush(timeout_millis=5000)

@@ -775,3 +775,242 @@ def test_counting_batch_processor_with_your_own_provider():
     provider.shutdown()
     assert sample() == 6.0  # the total outlives the exporter
     prom.close()
+
+
+# -- the fast span path of our own provider ------------------------------------------------------------------------
+def _equivalence_scenario(w, exp) -> dict:
+    """Prefill, prealloc with an SWA tail, decodes, SWA evictions, violations (in a span, beyond the event bound,
+    of an ended request, of no request), releases and requests left open at shutdown. Returns trace_id_for of
+    every request, asked before shutdown (and for ended ones, after their release)."""
+    p = Req("p", row=alloc_for_decode_prealloc(w, rid="p", fill_len=20, swa_tail_len=swa_tail_len(20, 8, PS)).tolist())
+    w.step()
+    a, b, q, c = Req("a"), Req("b"), Req(42), Req("c")
+    extend(w, [a, b, q, c], [6, 9, 10, 3])
+    w.step()
+    for _ in range(6):
+        decode(w, [a, b, q, c, p])
+        if q.seq in (12, 16):
+            done = w.ledger[42].swa_evicted_seqlen
+            w.free_swa_segment(t(q.row[done : q.seq - 8]), start_pos=done)
+            w.ledger[42].swa_evicted_seqlen = q.seq - 8
+        w.step()
+    w.free(t(a.row))
+    w.release_request("a")
+    # b: a double free, a rejected ledger write, a release while still owning pages: more events than the bound.
+    w.free(t(b.row[:4]))
+    w.free(t(b.row[:4]))
+    w.ledger["b"].kv_committed_len = 99
+    w.release_request("b")
+    w.step()
+    # Two violations naming no request: a's first page freed again after its release (free now, owned by no one)
+    # and a page never handed out.
+    w.free(t(a.row[:4]))
+    w.free(t([250]))
+    # A sweep's leak report for an ended request, as the wrapper would deliver it.
+    leak = Violation("request_leak", "b 2 pages", rid="b")
+    assert exp([ViolationEvent(seq=1, ts=0.0, step=w.step_count, violation=leak)])
+    w.step()
+    return {rid: exp.trace_id_for(rid) for rid in ("a", "b", "p", 42, "c")}
+
+
+def _swa_alloc():
+    return InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(256, 256, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
+    )
+
+
+_KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+_CODES = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+def _from_sdk(spans, resource_of, scope_of) -> list:
+    """SDK ReadableSpans as plain records: (trace id, span id, parent span id or None, the comparable part, times)."""
+    out = []
+    for s in spans:
+        out.append(
+            {
+                "trace": format(s.context.trace_id, "032x"),
+                "id": s.context.span_id,
+                "parent": None if s.parent is None else (format(s.parent.trace_id, "032x"), s.parent.span_id),
+                "name": s.name,
+                "attributes": dict(s.attributes),
+                "events": [(e.name, dict(e.attributes)) for e in s.events],
+                "status": (s.status.status_code.name, s.status.description or ""),
+                "kind": s.kind.name,
+                "service": resource_of(s),
+                "scope": scope_of(s),
+                "times": (s.start_time, [e.timestamp for e in s.events], s.end_time),
+            }
+        )
+    return out
+
+
+def _from_otlp(rx: Receiver) -> list:
+    from tests.otlp_receiver import _value
+
+    out = []
+    with rx.lock:
+        got = list(zip(rx.spans, rx.scopes))
+    for (res, s), scope in got:
+        out.append(
+            {
+                "trace": s.trace_id.hex(),
+                "id": int.from_bytes(s.span_id, "big"),
+                "parent": (s.trace_id.hex(), int.from_bytes(s.parent_span_id, "big")) if s.parent_span_id else None,
+                "name": s.name,
+                "attributes": {kv.key: _value(kv.value) for kv in s.attributes},
+                "events": [(e.name, {kv.key: _value(kv.value) for kv in e.attributes}) for e in s.events],
+                "status": (_CODES[s.status.code], s.status.message),
+                "kind": _KINDS[s.kind],
+                "service": res.get("service.name"),
+                "scope": scope,
+                "times": (s.start_time_unix_nano, [e.time_unix_nano for e in s.events], s.end_time_unix_nano),
+            }
+        )
+    return out
+
+
+def _comparable(records: list, trace_ids: dict) -> list:
+    """Records with ids replaced by what must match between the paths: the parent as the parent's (name, request
+    id), the trace id as the request it belongs to (checked against trace_id_for), in a stable order."""
+    by_id = {r["id"]: r for r in records}
+    request_of_trace = {}
+    for r in records:
+        if r["name"] == "kv.request":
+            request_of_trace[r["trace"]] = r["attributes"]["kv.request.id"]
+    out = []
+    for r in records:
+        start, event_times, end = r["times"]
+        assert start <= end and event_times == sorted(event_times)
+        assert all(start <= ts <= end for ts in event_times)
+        parent = None
+        if r["parent"] is not None:
+            ptrace, pid = r["parent"]
+            assert ptrace == r["trace"]
+            parent = (by_id[pid]["name"], by_id[pid]["attributes"]["kv.request.id"])
+        comparable = {k: v for k, v in r.items() if k not in ("id", "trace", "times", "parent")}
+        comparable["parent"] = parent
+        comparable["trace_of"] = request_of_trace.get(r["trace"])  # None: a trace of its own
+        out.append(comparable)
+    # Every request's trace id is the one trace_id_for gave (raw id in, the span's trace out).
+    hasher_ids = {r["attributes"]["kv.request.id"]: r["trace"] for r in records if r["name"] == "kv.request"}
+    assert sorted(trace_ids.values()) == sorted(hasher_ids.values())
+    return sorted(out, key=repr)
+
+
+def test_fast_path_spans_equal_the_sdk_spans(otel_env):
+    """The same scenario through a provider passed in (the SDK's spans, in memory) and through our own provider
+    (the fast path, exported over OTLP/HTTP): the same spans, attribute for attribute, event for event."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    from exporters.otel import TRACER_NAME
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "instrumented-alloc"}))
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    w1 = _swa_alloc()
+    exp1 = OtelExporter(w1, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
+    assert exp1._fast is None
+    ids1 = _equivalence_scenario(w1, exp1)
+    exp1.shutdown(timeout_millis=5000)
+    sdk = _from_sdk(
+        mem.get_finished_spans(),
+        lambda s: s.resource.attributes.get(SERVICE_NAME),
+        lambda s: s.instrumentation_scope.name,
+    )
+    provider.shutdown()
+
+    rx = Receiver()
+    try:
+        w2 = _swa_alloc()
+        exp2 = OtelExporter(w2, endpoint=rx.base, max_events_per_span=4, hash_request_ids=HASH_KEY)
+        assert exp2._fast is not None
+        ids2 = _equivalence_scenario(w2, exp2)
+        assert exp2.shutdown(timeout_millis=5000)
+        assert rx.wait_for(lambda r: r.span_count() == len(sdk))
+        fast = _from_otlp(rx)
+    finally:
+        rx.close()
+
+    assert len(sdk) == len(fast) == 8  # 5 requests, 3 violation spans
+    assert _comparable(fast, ids2) == _comparable(sdk, ids1)
+    assert [v.invariant for v in w1.violations] == [v.invariant for v in w2.violations]
+    # What the scenario covers, on the fast path's spans.
+    reqs = {r["attributes"]["kv.request.id"]: r for r in fast if r["name"] == "kv.request"}
+    assert set(reqs) == {_pseudonym(x) for x in ("a", "b", "p", 42, "c")}
+    for rid in ("a", "b", "p", 42, "c"):
+        assert reqs[_pseudonym(rid)]["trace"] == ids2[rid]
+    rb = reqs[_pseudonym("b")]
+    assert rb["attributes"]["kv.events_dropped"] == 1 and rb["status"][0] == "ERROR"
+    assert rb["status"][1].startswith("double_free: ") and "'b'" not in rb["status"][1]
+    assert [n for n, _ in rb["events"]] == ["kv.prefill", "kv.violation", "kv.violation", "kv.release"]
+    assert [n for n, _ in reqs[_pseudonym(42)]["events"]] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict"]
+    assert [n for n, _ in reqs[_pseudonym("p")]["events"]] == ["kv.prealloc", "kv.swa_evict"]
+    assert reqs[_pseudonym("p")]["attributes"]["kv.open_at_shutdown"] is True
+    assert reqs[_pseudonym("a")]["status"] == ("UNSET", "")
+    violations = sorted(
+        (r["attributes"]["kv.violation.invariant"], r["parent"] is not None, r["trace"])
+        for r in fast
+        if r["name"] == "kv.violation"
+    )
+    assert [v[:2] for v in violations] == [("double_free", False), ("free_unallocated", False), ("request_leak", True)]
+    assert violations[2][2] == ids2["b"]  # the sweep's leak: a child of b's ended span, in b's trace
+    assert len({v[2] for v in violations} | set(ids2.values())) == 7
+    assert {r["service"] for r in fast} == {"instrumented-alloc"}
+    assert {r["scope"] for r in fast} == {TRACER_NAME}
+
+
+@pytest.mark.parametrize(
+    "env, fast, n_spans",
+    [
+        ({}, True, 8),
+        ({"OTEL_TRACES_SAMPLER": "always_on"}, True, 8),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, False, 0),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, False, 0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, False, 0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, False, 8),
+        ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12"}, False, 8),
+        ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4"}, False, 8),
+        ({"OTEL_SDK_DISABLED": "true"}, False, 0),
+    ],
+)
+def test_own_provider_takes_the_sdk_path_unless_every_span_is_sampled_untrimmed(otel_env, env, fast, n_spans):
+    """Our own provider's spans skip the SDK only under its default sampler (or always_on) and limits that trim
+    nothing of ours; any other sampler, limit or a disabled SDK gets the SDK's spans and their behaviour."""
+    for k, v in env.items():
+        otel_env.setenv(k, v)
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
+    assert (exp._fast is not None) is fast
+    _equivalence_scenario(w, exp)
+    assert exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    assert len(spans) == n_spans
+    assert exp.spans_dropped == 0 and exp.errors == 0
+    if not spans:
+        return
+    assert all(s.context.trace_flags.sampled for s in spans)
+    n_attrs = max(len(s.attributes) for s in spans)
+    assert n_attrs == (4 if "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT" in env else 10)  # 10: a released request's span
+    if "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT" in env:
+        return
+    messages = [s.attributes["kv.violation.message"] for s in spans if s.name == "kv.violation"]
+    if "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT" in env:
+        assert sorted(messages) == ["b 2 pages", "free frees [", "free frees ["]  # the SDK trimmed them to 12
+    else:
+        assert sorted(messages) == [
+            "b 2 pages",
+            "free frees [62] (1 pages) never handed out since clear()",
+            "free frees [6] (1 pages) that are not in use (page 6 is free)",
+        ]
+
+
+def test_span_exporter_argument_checks(otel_env):
+    w = paged()
+    with pytest.raises(ValueError, match="span_exporter="):
+        OtelExporter(w, span_exporter=InMemorySpanExporter(), endpoint="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="span_exporter="):
+        OtelExporter(w, span_exporter=InMemorySpanExporter(), tracer_provider=TracerProvider())
+    with pytest.raises(TypeError, match="span_exporter"):
+        OtelExporter(w, span_exporter=object())
