@@ -487,3 +487,53 @@ def test_refusing_sink_counts_every_event():
     assert w.bus.dropped == {"<lambda>": len(c.events), "collector": 0}
     assert len(c.events) == 7
     assert np.array_equal(c.events[0].slots, [0, 1])
+
+
+# -- how events are built ----------------------------------------------------------------------------------------
+def _kinds():
+    return [c for c in vars(ev).values() if isinstance(c, type) and issubclass(c, ev.Event) and c is not ev.Event]
+
+
+def _sample_fields(cls):
+    import dataclasses
+
+    out = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        if f.name in ("seq", "ts", "step"):
+            continue
+        out[f.name] = (f"v{i}", i)  # a distinct value per field
+    return out
+
+
+@pytest.mark.parametrize("cls", _kinds(), ids=lambda c: c.__name__)
+def test_make_and_builder_build_what_the_constructor_builds(cls):
+    import dataclasses
+    import pickle
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    fields = _sample_fields(cls)
+    want = cls(seq=7, ts=1.5, step=3, **fields)
+    built = [ev.make(cls, 7, 1.5, 3, dict(fields)), ev.builder(cls)(7, 1.5, 3, *fields.values())]
+    # Only the fields without a default (the defaults as the constructor gives them).
+    required = {
+        f.name: fields[f.name]
+        for f in dataclasses.fields(cls)
+        if f.name in fields and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    want_d = cls(seq=7, ts=1.5, step=3, **required)
+    built_d = [ev.make(cls, 7, 1.5, 3, dict(required)), ev.builder(cls)(7, 1.5, 3, *required.values())]
+    for w, got in [(want, g) for g in built] + [(want_d, g) for g in built_d]:
+        assert type(got) is cls
+        assert got == w and repr(got) == repr(w)
+        assert list(vars(got)) == names  # field order, as the constructor's __init__ leaves it
+        assert vars(got) == vars(w)
+        assert pickle.loads(pickle.dumps(got)) == w
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.seq = 8
+
+
+def test_step_boundary_default_is_fresh_per_event():
+    a, b = ev.make(ev.StepBoundary, 1, 0.0, 0, {}), ev.builder(ev.StepBoundary)(2, 0.0, 0)
+    c = ev.StepBoundary(seq=3, ts=0.0, step=0)
+    assert a.available == b.available == c.available == {}
+    assert a.available is not b.available and a.available is not c.available
