@@ -608,11 +608,15 @@ class InstrumentedAllocator:
             self._finish()
 
     def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
-        if not self.bus.active:
-            return
+        bus = self.bus
+        write = bus.wants(ev.LedgerWrite)
+        evict = field == "swa_evicted_seqlen" and bus.wants(ev.SwaEvict)
+        if not (write or evict):
+            return  # as with no sink: nothing to build, and a ledger write leaves no page delta to publish
         with self._w_lock:
-            self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
-            if field == "swa_evicted_seqlen":
+            if write:
+                self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
+            if evict:
                 ps = self._w_ps
                 self._emit(ev.SwaEvict, rid=rid, old=old, new=new, n_pages=new // ps - old // ps)
             self._deliver()
@@ -1642,7 +1646,7 @@ class InstrumentedAllocator:
                 pool.shadow.expected_entries = was
                 bad = pool.shadow.check_count(now, f"{op} returned None but")
                 self._report(bad, pool.name, op)
-        if self.bus.active:
+        if self.bus.wants(ev.AllocFailed):
             bound = self._w_bound
             # Name the pool that ran short: the one with fewer free slots.
             short = min(self._w_pools.values(), key=lambda p: p.allocator.available_size())
@@ -1861,7 +1865,7 @@ class InstrumentedAllocator:
         )
         self.violations.append(v)
         self.violation_counts[invariant] += 1
-        if self.bus.active:
+        if self.bus.wants(ev.ViolationEvent):
             self._emit(ev.ViolationEvent, violation=v)
         if self._w_raise:
             self._w_to_raise.append(v)
