@@ -132,17 +132,23 @@ class PoolShadow:
         owns its memory)."""
         self.owner[pages] = codes
         if self.deltas is not None and pages.size:
-            if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
-                if not (private and codes.dtype is _I32):
-                    # A copy: the event owns it (ndarray.copy() is half the cost of astype(copy=True)).
-                    codes = codes.copy() if codes.dtype is _I32 else codes.astype(np.int32)
-            else:
-                c = np.empty(pages.shape, np.int32)
-                c.fill(codes)  # np.full, without its Python wrapper (twice the cost)
-                codes = c
-            if not (private and pages.dtype is _I64):
-                pages = pages.copy() if pages.dtype is _I64 else pages.astype(np.int64)
-            self.deltas.append((pages, codes))
+            self.note(pages, codes, private=private)
+
+    def note(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
+        """Record the delta ``owner[pages] = codes`` (deltas kept, ``pages`` not empty) for a change already made,
+        or one that changes nothing (a decode that continues its requests' pages: the replay still sees the
+        decode's pages). ``private`` as in ``_set``."""
+        if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
+            if not (private and codes.dtype is _I32):
+                # A copy: the event owns it (ndarray.copy() is half the cost of astype(copy=True)).
+                codes = codes.copy() if codes.dtype is _I32 else codes.astype(np.int32)
+        else:
+            c = np.empty(pages.shape, np.int32)
+            c.fill(codes)  # np.full, without its Python wrapper (twice the cost)
+            codes = c
+        if not (private and pages.dtype is _I64):
+            pages = pages.copy() if pages.dtype is _I64 else pages.astype(np.int64)
+        self.deltas.append((pages, codes))
 
     def take_deltas(self) -> list:
         out, self.deltas = self.deltas, ([] if self.deltas is not None else None)

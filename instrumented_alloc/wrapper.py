@@ -1056,11 +1056,12 @@ class InstrumentedAllocator:
                 self.ledger.committed[slots] = seq
             # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or
             # the shared unattributed constant (not private: copied).
+            # The pages already read as own (just compared): only the delta to record, no write.
             private = slots is not None
-            if shadow.deltas is not None:
-                shadow._set(pages, own, private=private)
-            if swa is not None and swa_shadow.deltas is not None:
-                swa_shadow._set(swa_pages, own, private=private)
+            if shadow.deltas is not None and bs:
+                shadow.note(pages, own, private=private)
+            if swa is not None and swa_shadow.deltas is not None and bs:
+                swa_shadow.note(swa_pages, own, private=private)
             return 0
         opens = at == zero
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
