@@ -261,6 +261,9 @@ class EventBus:
         self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
+        # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
+        # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
+        self.on_change: Callable[[], None] | None = None
         for s in sinks:
             self.subscribe(s)
 
@@ -283,6 +286,8 @@ class EventBus:
                 break
             wanted.update(types)
         self._wanted = None if wanted is None else frozenset(wanted)
+        if self.on_change is not None:
+            self.on_change()
 
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""

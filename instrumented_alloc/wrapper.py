@@ -332,6 +332,7 @@ class InstrumentedAllocator:
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
+        self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too
         if mode == "off":
             # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
             # instrumented methods below are never reached in this mode).

@@ -643,3 +643,18 @@ def test_only_wanted_kinds_are_built_and_seq_stays_gap_free():
         ]
 
     assert strip(events) == strip(full.events)
+
+
+def test_a_sink_subscribed_on_the_bus_directly_gets_every_kind():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record")
+    w.bus.subscribe(c)
+    c.alloc = w
+    a, _b = _scenario(w)
+    w.free(t(a.row))
+    w.release_request("a")
+    w.step()
+    kinds = {type(e).__name__ for e in c.events}
+    assert kinds == {"LedgerUpdate", "Alloc", "PageUpdate", "Free", "RequestReleased", "StepBoundary"}
+    w.bus.unsubscribe(c)
+    assert _shadow_deltas(w) == [None]
