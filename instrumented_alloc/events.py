@@ -17,8 +17,13 @@ Contract:
   stays synchronous: with no sink it costs nothing, and our own exporters never block (they only enqueue).
 - No sink: the wrapper builds no events at all (``EventBus.active`` is False), so instrumentation with no
   subscriber costs nothing beyond the checks themselves. A sink may declare ``event_types`` (a set of event
-  classes it reads); the wrapper then skips building the costly kinds nobody asked for (``PageUpdate``,
-  ``LedgerUpdate``, ``Snapshot``). Sinks still receive every event that was built and ignore the rest.
+  classes it reads); the wrapper then skips building the kinds nobody asked for (``PageUpdate``, ``LedgerUpdate``
+  and ``Snapshot``, the costly ones, and ``Alloc``, ``Free``, ``RequestReleased``, ``StepBoundary``). ``seq``
+  counts the events built, so it stays gap-free. Sinks still receive every event that was built and ignore the
+  rest.
+- An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
+  copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
+  block, shared by that block's ``LedgerUpdate``s and page deltas). Sinks must not write into them either.
 - Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
 - Losses after a sink took the events (the OTel SDK failing to export the spans made of them, on its own thread)
   are not the bus's to see: the component registers a running total with ``add_loss_counter(name, counter)``, and
@@ -26,7 +31,11 @@ Contract:
   sink name. ``counter()`` is called from any thread (a scrape's), must be cheap, and never decreases.
 - ``make(cls, seq, ts, step, fields)`` is how the wrapper builds events on its hot path: the same frozen object the
   dataclass constructor builds (same fields, defaults, equality, repr, pickling), without the per-field
-  ``object.__setattr__`` of a frozen dataclass's ``__init__`` (a third of the cost).
+  ``object.__setattr__`` of a frozen dataclass's ``__init__`` (a third of the cost). A field with a default factory
+  that ``fields`` leaves out gets a fresh ``factory()``, as the constructor gives it (``StepBoundary.available``).
+- ``builder(cls)`` is the positional form for the hottest kinds: ``builder(cls)(seq, ts, step, *fields)`` (fields
+  in declaration order, defaults as the constructor's) builds the same object again, with neither the keyword dict
+  nor the template copy. Generated from ``dataclasses.fields(cls)``, so it cannot drift from the class.
 """
 
 from __future__ import annotations
@@ -165,33 +174,77 @@ class StepBoundary(Event):
 Sink = Callable[[Sequence[Event]], "bool | None"]
 
 _MISSING = object()
-_TEMPLATES: dict[type, tuple[dict, frozenset, bool]] = {}
+_TEMPLATES: dict[type, tuple[dict, frozenset, tuple]] = {}
 
 
-def _template(cls: type) -> tuple[dict, frozenset, bool]:
+def _template(cls: type) -> tuple[dict, frozenset, tuple]:
     fs = dataclasses.fields(cls)
     tpl = {f.name: (f.default if f.default is not dataclasses.MISSING else _MISSING) for f in fs}
-    required = frozenset(f.name for f in fs if f.default is dataclasses.MISSING and f.name not in ("seq", "ts", "step"))
-    factories = any(f.default_factory is not dataclasses.MISSING for f in fs)
+    factories = tuple((f.name, f.default_factory) for f in fs if f.default_factory is not dataclasses.MISSING)
+    required = frozenset(
+        f.name
+        for f in fs
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in ("seq", "ts", "step")
+    )
     t = _TEMPLATES[cls] = (tpl, required, factories)
     return t
 
 
 def make(cls: type, seq: int, ts: float, step: int, fields: dict) -> Event:
     """``cls(seq=seq, ts=ts, step=step, **fields)``, built by filling the instance dict directly (see the module
-    docstring). Falls back to the constructor when a field is missing or has a default factory."""
+    docstring). Falls back to the constructor (which names the fault) when a required field is missing or an
+    unknown one is given."""
     t = _TEMPLATES.get(cls) or _template(cls)
     tpl, required, factories = t
-    if factories or not fields.keys() >= required or not tpl.keys() >= fields.keys():
+    if not fields.keys() >= required or not tpl.keys() >= fields.keys():
         return cls(seq=seq, ts=ts, step=step, **fields)
     d = tpl.copy()  # field order, defaults in place
     d["seq"] = seq
     d["ts"] = ts
     d["step"] = step
     d.update(fields)
+    for name, factory in factories:
+        if name not in fields:
+            d[name] = factory()  # a fresh default per event, never one shared object
     e = object.__new__(cls)
     e.__dict__.update(d)
     return e
+
+
+_BUILDERS: dict[type, Callable] = {}
+
+
+def builder(cls: type) -> Callable:
+    """The positional builder of ``cls`` (see the module docstring): ``b(seq, ts, step, *fields)``."""
+    b = _BUILDERS.get(cls)
+    if b is not None:
+        return b
+    params, items, env = [], [], {"_cls": cls, "_new": object.__new__}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        if f.default is not dataclasses.MISSING:
+            env[f"_d{i}"] = f.default
+            params.append(f"{f.name}=_d{i}")
+            items.append(f"{f.name!r}: {f.name}")
+        elif f.default_factory is not dataclasses.MISSING:
+            env[f"_f{i}"] = f.default_factory
+            params.append(f"{f.name}=_MISSING")
+            env["_MISSING"] = _MISSING
+            items.append(f"{f.name!r}: _f{i}() if {f.name} is _MISSING else {f.name}")
+        else:
+            params.append(f.name)
+            items.append(f"{f.name!r}: {f.name}")
+    src = (
+        f"def build({', '.join(params)}):\n"
+        f"    e = _new(_cls)\n"
+        f"    e.__dict__.update({{{', '.join(items)}}})\n"
+        f"    return e\n"
+    )
+    exec(src, env)  # generated from the dataclass's own field list: cannot drift from the class
+    b = _BUILDERS[cls] = env["build"]
+    b.__qualname__ = b.__name__ = f"build_{cls.__name__}"
+    return b
 
 
 def sink_name(sink) -> str:
@@ -208,6 +261,9 @@ class EventBus:
         self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
+        # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
+        # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
+        self.on_change: Callable[[], None] | None = None
         for s in sinks:
             self.subscribe(s)
 
@@ -230,6 +286,8 @@ class EventBus:
                 break
             wanted.update(types)
         self._wanted = None if wanted is None else frozenset(wanted)
+        if self.on_change is not None:
+            self.on_change()
 
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""

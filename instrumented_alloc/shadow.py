@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 # Page codes (owner < 0). Free-like codes are the lowest, so "allocatable" is one comparison: owner <= FREE.
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+
 USED_UNOWNED = -1  # handed out to no known request (unattributed call, or lost by the allocator)
 RESERVED = -2  # page 0, the padding sink
 STAGED = -3  # freed, waiting in need_sort staging (counted by available_size, not yet allocatable)
@@ -122,14 +125,30 @@ class PoolShadow:
         self.deltas: list | None = None
         self.clear()
 
-    def _set(self, pages: np.ndarray, codes) -> None:
+    def _set(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
+        """``owner[pages] = codes``, recorded in ``deltas`` when they are kept. The delta's arrays belong to the
+        event made of it: copies, unless ``private`` (the caller guarantees that nothing ever writes ``pages``
+        (int64) nor ``codes`` (int32, same shape) again: a fresh array no one else holds, or a read-only one that
+        owns its memory)."""
         self.owner[pages] = codes
         if self.deltas is not None and pages.size:
-            if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
-                codes = codes.astype(np.int32)  # a copy: the event owns it
-            else:
-                codes = np.full(pages.shape, codes, np.int32)
-            self.deltas.append((pages.astype(np.int64, copy=True), codes))
+            self.note(pages, codes, private=private)
+
+    def note(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
+        """Record the delta ``owner[pages] = codes`` (deltas kept, ``pages`` not empty) for a change already made,
+        or one that changes nothing (a decode that continues its requests' pages: the replay still sees the
+        decode's pages). ``private`` as in ``_set``."""
+        if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
+            if not (private and codes.dtype is _I32):
+                # A copy: the event owns it (ndarray.copy() is half the cost of astype(copy=True)).
+                codes = codes.copy() if codes.dtype is _I32 else codes.astype(np.int32)
+        else:
+            c = np.empty(pages.shape, np.int32)
+            c.fill(codes)  # np.full, without its Python wrapper (twice the cost)
+            codes = c
+        if not (private and pages.dtype is _I64):
+            pages = pages.copy() if pages.dtype is _I64 else pages.astype(np.int64)
+        self.deltas.append((pages, codes))
 
     def take_deltas(self) -> list:
         out, self.deltas = self.deltas, ([] if self.deltas is not None else None)

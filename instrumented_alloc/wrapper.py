@@ -58,6 +58,13 @@ _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
 _ADD = np.add
 _make_event = ev.make
+# Positional builders of the kinds built on every call (see events.builder): no keyword dict, no template copy.
+_B_ALLOC = ev.builder(ev.Alloc)
+_B_FREE = ev.builder(ev.Free)
+_B_LEDGER = ev.builder(ev.LedgerUpdate)
+_B_PAGES = ev.builder(ev.PageUpdate)
+_B_STEP = ev.builder(ev.StepBoundary)
+_B_RELEASED = ev.builder(ev.RequestReleased)
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
 
@@ -325,6 +332,7 @@ class InstrumentedAllocator:
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
+        self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too
         if mode == "off":
             # Off: the inner's own bound methods, so a call costs exactly what the bare call costs (the
             # instrumented methods below are never reached in this mode).
@@ -409,6 +417,12 @@ class InstrumentedAllocator:
                 p.shadow.deltas = None
         object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
         object.__setattr__(self, "_w_want_pages", want)
+        # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
+        # events built). Frees are timed only when their Free event is built.
+        object.__setattr__(self, "_w_want_alloc", self.bus.wants(ev.Alloc))
+        object.__setattr__(self, "_w_want_free", self.bus.wants(ev.Free))
+        object.__setattr__(self, "_w_want_released", self.bus.wants(ev.RequestReleased))
+        object.__setattr__(self, "_w_want_step", self.bus.wants(ev.StepBoundary))
 
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
         """Bind the next calls' per-request segments to ``rids``, in batch order (a context manager; entering it
@@ -445,6 +459,9 @@ class InstrumentedAllocator:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             slots = self.ledger.slots_of(rids)
+            # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) share them instead
+            # of a copy each, which is safe because slots_of returns a fresh array that owns its memory.
+            slots.flags.writeable = False
             # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
             # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
             tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
@@ -493,11 +510,17 @@ class InstrumentedAllocator:
                     self._boundary_checks("step")
             bus = self.bus
             if bus.active:
-                self._flush_deltas()
-                if bus.wants(ev.StepBoundary):
-                    self._emit(
-                        ev.StepBoundary,
-                        available={n: p.shadow.expected_entries for n, p in self._w_pools.items()},
+                if self._w_want_pages:
+                    self._flush_deltas()
+                if self._w_want_step:
+                    st.seq = seq = st.seq + 1
+                    st.events.append(
+                        _B_STEP(
+                            seq,
+                            self._w_clock(),
+                            st.step,
+                            {n: p.shadow.expected_entries for n, p in self._w_pools.items()},
+                        )
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
                     self._emit_snapshots()
@@ -586,11 +609,15 @@ class InstrumentedAllocator:
             self._finish()
 
     def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
-        if not self.bus.active:
-            return
+        bus = self.bus
+        write = bus.wants(ev.LedgerWrite)
+        evict = field == "swa_evicted_seqlen" and bus.wants(ev.SwaEvict)
+        if not (write or evict):
+            return  # as with no sink: nothing to build, and a ledger write leaves no page delta to publish
         with self._w_lock:
-            self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
-            if field == "swa_evicted_seqlen":
+            if write:
+                self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
+            if evict:
                 ps = self._w_ps
                 self._emit(ev.SwaEvict, rid=rid, old=old, new=new, n_pages=new // ps - old // ps)
             self._deliver()
@@ -765,7 +792,7 @@ class InstrumentedAllocator:
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
-                self._emit_ledger(op, slots, self._w_bound[0])
+                self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is _ABSENT:
@@ -849,7 +876,7 @@ class InstrumentedAllocator:
             if n_new is not None:
                 if timed:
                     if slots is not None:
-                        self._emit_ledger(op, slots, bound[0])
+                        self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                     self._emit_alloc(op, bs, int(n_new), dt)
                     if self._w_swa is not None:
                         self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
@@ -881,7 +908,7 @@ class InstrumentedAllocator:
                         arr[openers] += 1
                     led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
                 if timed:
-                    self._emit_ledger(op, slots, self._w_bound[0])
+                    self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
             full, swa_pool = self._w_full, self._w_swa
             pos = seq - 1
 
@@ -951,7 +978,7 @@ class InstrumentedAllocator:
             arr[slots] += shares
         led.allocated[slots] += shares
         led.committed[slots] += shares
-        self._emit_ledger("alloc", slots, rids)
+        self._emit_ledger("alloc", slots, rids, private=True)  # the binding's (read-only)
         shadow._set(o, own)
         shadow.expected_entries -= n
         if self.bus.active:
@@ -1021,16 +1048,21 @@ class InstrumentedAllocator:
             own = bound[3]
             if own is None:
                 own = bound[3] = slots.astype(np.int32)
+                own.flags.writeable = False  # shared by this block's page deltas (see _bind)
         if n_new == 0:
             own_b = own.tobytes()
             if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 self.ledger.committed[slots] = seq
-            if shadow.deltas is not None:
-                shadow._set(pages, own)
-            if swa is not None and swa_shadow.deltas is not None:
-                swa_shadow._set(swa_pages, own)
+            # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or
+            # the shared unattributed constant (not private: copied).
+            # The pages already read as own (just compared): only the delta to record, no write.
+            private = slots is not None
+            if shadow.deltas is not None and bs:
+                shadow.note(pages, own, private=private)
+            if swa is not None and swa_shadow.deltas is not None and bs:
+                swa_shadow.note(swa_pages, own, private=private)
             return 0
         opens = at == zero
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
@@ -1042,8 +1074,9 @@ class InstrumentedAllocator:
             swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
         ):
             return None
+        private = slots is not None  # as above
         if swa is not None:
-            swa_shadow._set(swa_pages, own)
+            swa_shadow._set(swa_pages, own, private=private)
             swa_shadow.expected_entries -= n_new
         if slots is not None:
             led = self.ledger
@@ -1053,7 +1086,7 @@ class InstrumentedAllocator:
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
             led.allocated[openers] = (seq + mask)[opens]
-        shadow._set(pages, own)
+        shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
         return n_new
 
@@ -1388,7 +1421,7 @@ class InstrumentedAllocator:
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = self._w_pools.values()
         before = None if self._w_atomic_free else [p.entries() for p in pools]
-        timed = self.bus.active
+        timed = self._w_want_free  # the duration is only read by the Free events
         clock = self._w_clock
         t0 = clock() if timed else 0.0
         try:
@@ -1399,7 +1432,7 @@ class InstrumentedAllocator:
                 self._deliver()
             raise
         self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
-        if timed or self._w_to_raise or self._w_st.events:
+        if self.bus.active or self._w_to_raise or self._w_st.events:
             self._finish()
         return result
 
@@ -1442,7 +1475,7 @@ class InstrumentedAllocator:
                     cap = led.owned["full"][owners] * ps
                     led.allocated[owners] = np.minimum(led.allocated[owners], cap)
                     led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
-            if self.bus.active:
+            if self._w_want_free:
                 self._emit(
                     ev.Free,
                     op=op,
@@ -1460,7 +1493,9 @@ class InstrumentedAllocator:
                 led.reset(int(s))
                 led.tainted.discard(int(s))
             led.dirty.update(int(s) for s in slots)
-            self._emit_ledger(op, slots)
+            # slots: apply_free's owners (a gather or np.unique of one: fresh) or np.unique's result; read above,
+            # never written, held by no one else.
+            self._emit_ledger(op, slots, private=True)
 
     def _after_free_one(self, op: str, touched, duration: float) -> None:
         """``_after_free`` for the usual free: one request's pages in one pool, in Python ints."""
@@ -1475,10 +1510,12 @@ class InstrumentedAllocator:
                 led.allocated[s] = allocated = cap
             if led.committed.item(s) > allocated:
                 led.committed[s] = allocated
-        timed = self.bus.active
-        if timed:
+        rids = None
+        if self._w_want_free:
             rids = (led.rid_of(s),)
-            self._emit(ev.Free, op=op, pool=pool.name, n_pages=int(n_entries), rids=rids, duration=duration)
+            st = self._w_st
+            st.seq = seq = st.seq + 1
+            st.events.append(_B_FREE(seq, self._w_clock(), st.step, op, pool.name, int(n_entries), rids, duration))
         for arr in led.owned.values():
             if arr.item(s) > 0:
                 break
@@ -1486,8 +1523,9 @@ class InstrumentedAllocator:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        if timed:
-            self._emit_ledger(op, owners, rids)
+        if self._w_want_ledger:
+            # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
+            self._emit_ledger(op, owners, rids or (led.rid_of(s),), private=True)
 
     # -- slot tier plumbing -------------------------------------------------------------------------------------
     def _slot_tier(self, fn: Callable, *tensors) -> None:
@@ -1591,7 +1629,7 @@ class InstrumentedAllocator:
             led.owned[name][slots] += pages
         led.allocated[slots] += pages * ps
         led.committed[slots] += shares
-        self._emit_ledger(op, slots, self._w_bound[0])
+        self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
 
     def _entries_before(self):
         # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
@@ -1610,7 +1648,7 @@ class InstrumentedAllocator:
                 pool.shadow.expected_entries = was
                 bad = pool.shadow.check_count(now, f"{op} returned None but")
                 self._report(bad, pool.name, op)
-        if self.bus.active:
+        if self.bus.wants(ev.AllocFailed):
             bound = self._w_bound
             # Name the pool that ran short: the one with fewer free slots.
             short = min(self._w_pools.values(), key=lambda p: p.allocator.available_size())
@@ -1684,8 +1722,10 @@ class InstrumentedAllocator:
                 op="release",
                 pool=next(n for n, v in held.items() if v),
             )
-        if self.bus.active:
-            self._emit(ev.RequestReleased, rid=rid, pages_held=total, pages_peak=peak)
+        if self._w_want_released:
+            st = self._w_st
+            st.seq = seq = st.seq + 1
+            st.events.append(_B_RELEASED(seq, self._w_clock(), st.step, rid, total, peak))
         led.release(rid, leaked=total > 0)
         led.tainted.discard(slot)
 
@@ -1827,7 +1867,7 @@ class InstrumentedAllocator:
         )
         self.violations.append(v)
         self.violation_counts[invariant] += 1
-        if self.bus.active:
+        if self.bus.wants(ev.ViolationEvent):
             self._emit(ev.ViolationEvent, violation=v)
         if self._w_raise:
             self._w_to_raise.append(v)
@@ -1839,16 +1879,12 @@ class InstrumentedAllocator:
         st.events.append(_make_event(cls, st.seq, self._w_clock(), st.step, fields))
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
-        if self.bus.active:
-            bound = self._w_bound
-            self._emit(
-                ev.Alloc,
-                op=op,
-                pool=pool,
-                n_slots=n_slots,
-                n_pages=n_pages,
-                rids=bound[0] if bound else (),
-                duration=dt,
+        if self._w_want_alloc:
+            bound = getattr(self._w_tls, "bound", None)
+            st = self._w_st
+            st.seq = seq = st.seq + 1
+            st.events.append(
+                _B_ALLOC(seq, self._w_clock(), st.step, op, pool, n_slots, n_pages, bound[0] if bound else (), dt)
             )
 
     def _emit_snapshots(self) -> None:
@@ -1873,26 +1909,42 @@ class InstrumentedAllocator:
     def _flush_deltas(self) -> None:
         if not self._w_want_pages:
             return
+        st = self._w_st
         for p in self._w_pools.values():
-            for pages, owners in p.shadow.take_deltas():
-                self._emit(ev.PageUpdate, op=self._w_st.op, pool=p.name, pages=pages, owners=owners)
+            shadow = p.shadow
+            deltas = shadow.deltas
+            if deltas:  # take_deltas, inlined: most calls have nothing to publish in some pool
+                shadow.deltas = []
+                clock, op, step, events, name = self._w_clock, st.op, st.step, st.events, p.name
+                for pages, owners in deltas:
+                    st.seq = seq = st.seq + 1
+                    events.append(_B_PAGES(seq, clock(), step, op, name, pages, owners))
 
-    def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None) -> None:
+    def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None, *, private: bool = False) -> None:
+        """A ``LedgerUpdate`` of ``slots`` (when some sink reads them). ``private``: the caller guarantees that
+        nothing ever writes ``slots`` again (a fresh array no one else holds, or a read-only one whose memory no
+        one writes), so the event may keep it as it is instead of a copy."""
         if self._w_want_ledger and slots.size:
             led = self.ledger
-            self._emit(
-                ev.LedgerUpdate,
-                op=op,
-                rids=rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
-                slots=slots.copy(),
-                # Gathers by an index array: already copies, owned by the event.
-                allocated=led.allocated[slots],
-                committed=led.committed[slots],
-                evicted=led.evicted[slots],
+            st = self._w_st
+            st.seq = seq = st.seq + 1
+            st.events.append(
+                _B_LEDGER(
+                    seq,
+                    self._w_clock(),
+                    st.step,
+                    op,
+                    rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
+                    slots if private else slots.copy(),
+                    # Gathers by an index array: already copies, owned by the event.
+                    led.allocated[slots],
+                    led.committed[slots],
+                    led.evicted[slots],
+                )
             )
 
     def _deliver(self) -> None:
-        if self.bus.active:
+        if self._w_want_pages:
             self._flush_deltas()
         st = self._w_st
         if st.events:
@@ -1901,7 +1953,13 @@ class InstrumentedAllocator:
 
     def _finish(self) -> None:
         """End of a call: hand the events to the sinks, then (raise mode) raise the first violation."""
-        self._deliver()
+        # _deliver, inlined: this runs at the end of every call a sink listens to.
+        if self._w_want_pages:
+            self._flush_deltas()
+        st = self._w_st
+        if st.events:
+            batch, st.events = st.events, []
+            self.bus.deliver(batch)
         if self._w_to_raise:
             first = self._w_to_raise[0]
             self._w_to_raise.clear()

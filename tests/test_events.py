@@ -487,3 +487,174 @@ def test_refusing_sink_counts_every_event():
     assert w.bus.dropped == {"<lambda>": len(c.events), "collector": 0}
     assert len(c.events) == 7
     assert np.array_equal(c.events[0].slots, [0, 1])
+
+
+# -- how events are built ----------------------------------------------------------------------------------------
+def _kinds():
+    return [c for c in vars(ev).values() if isinstance(c, type) and issubclass(c, ev.Event) and c is not ev.Event]
+
+
+def _sample_fields(cls):
+    import dataclasses
+
+    out = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        if f.name in ("seq", "ts", "step"):
+            continue
+        out[f.name] = (f"v{i}", i)  # a distinct value per field
+    return out
+
+
+@pytest.mark.parametrize("cls", _kinds(), ids=lambda c: c.__name__)
+def test_make_and_builder_build_what_the_constructor_builds(cls):
+    import dataclasses
+    import pickle
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    fields = _sample_fields(cls)
+    want = cls(seq=7, ts=1.5, step=3, **fields)
+    built = [ev.make(cls, 7, 1.5, 3, dict(fields)), ev.builder(cls)(7, 1.5, 3, *fields.values())]
+    # Only the fields without a default (the defaults as the constructor gives them).
+    required = {
+        f.name: fields[f.name]
+        for f in dataclasses.fields(cls)
+        if f.name in fields and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    want_d = cls(seq=7, ts=1.5, step=3, **required)
+    built_d = [ev.make(cls, 7, 1.5, 3, dict(required)), ev.builder(cls)(7, 1.5, 3, *required.values())]
+    for w, got in [(want, g) for g in built] + [(want_d, g) for g in built_d]:
+        assert type(got) is cls
+        assert got == w and repr(got) == repr(w)
+        assert list(vars(got)) == names  # field order, as the constructor's __init__ leaves it
+        assert vars(got) == vars(w)
+        assert pickle.loads(pickle.dumps(got)) == w
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.seq = 8
+
+
+def test_step_boundary_default_is_fresh_per_event():
+    a, b = ev.make(ev.StepBoundary, 1, 0.0, 0, {}), ev.builder(ev.StepBoundary)(2, 0.0, 0)
+    c = ev.StepBoundary(seq=3, ts=0.0, step=0)
+    assert a.available == b.available == c.available == {}
+    assert a.available is not b.available and a.available is not c.available
+
+
+class Keeper(Collector):
+    """Keeps every event and, at delivery, a copy of every array it holds."""
+
+    def __init__(self, event_types=None):
+        super().__init__()
+        self.copies: list = []
+        if event_types is not None:
+            self.event_types = frozenset(event_types)
+
+    def __call__(self, batch):
+        super().__call__(batch)
+        for e in batch:
+            self.copies.append({k: v.copy() for k, v in vars(e).items() if isinstance(v, np.ndarray)})
+
+
+def _churn(w):
+    """Batches that reuse request slots, decode (pages opened and continued), free, release and step."""
+    for rnd in range(3):
+        reqs = [Req(f"r{rnd}-{i}") for i in range(3)]
+        rids = [r.rid for r in reqs]
+        with w.batch(rids):
+            split_extend(reqs, [3, 4, 5], w.alloc_extend(*extend_args(reqs, [3, 4, 5])))
+        with w.batch(rids):  # several decodes in one block (they share the binding's slots), then one each
+            for _ in range(3):
+                out = w.alloc_decode(*decode_args(reqs))
+                for r, s in zip(reqs, out.tolist()):
+                    r.row.append(s)
+                w.step()
+        for _ in range(3):
+            with w.batch(rids):
+                out = w.alloc_decode(*decode_args(reqs))
+            for r, s in zip(reqs, out.tolist()):
+                r.row.append(s)
+            w.step()
+        w.free(t(reqs[0].row))
+        w.free_group_begin()
+        for r in reqs[1:]:
+            w.free(t(r.row))
+        w.free_group_end()
+        for r in rids:
+            w.release_request(r)
+        w.step()
+
+
+@pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
+def test_kept_events_never_change_and_share_only_read_only_arrays(make):
+    """A sink may keep events: later calls (the same slots reused, ledger columns and page owners rewritten)
+    must not change them. Arrays the wrapper shares between events (a batch's slots) are read-only; every
+    writable array belongs to one event alone."""
+    k = Keeper()
+    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[k])
+    k.alloc = w
+    _churn(w)
+    events = k.events
+    kinds = {type(e).__name__ for e in events}
+    assert {"LedgerUpdate", "PageUpdate", "Alloc", "Free", "RequestReleased", "StepBoundary"} <= kinds
+    holders: dict[int, list] = {}
+    for e, copies in zip(events, k.copies):
+        for name, want in copies.items():
+            got = getattr(e, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (e, name)
+            holders.setdefault(id(got), []).append((got, e))
+    for arrs in holders.values():
+        if len(arrs) > 1:
+            assert not arrs[0][0].flags.writeable, arrs[0][1]
+        arr = arrs[0][0]
+        # None of them is a view of the wrapper's own state.
+        for p in w._w_pools.values():
+            assert not np.shares_memory(arr, p.shadow.owner)
+        for col in (w.ledger.allocated, w.ledger.committed, w.ledger.evicted):
+            assert not np.shares_memory(arr, col)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+
+
+def test_only_wanted_kinds_are_built_and_seq_stays_gap_free():
+    k = Keeper(event_types={ev.LedgerUpdate, ev.RequestReleased})
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[k])
+    k.alloc = w
+    _churn(w)
+    events = k.events
+    assert {type(e) for e in events} == {ev.LedgerUpdate, ev.RequestReleased}
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    # The same run with a sink reading everything: the same LedgerUpdate/RequestReleased contents, in order.
+    full = Keeper()
+    w2 = InstrumentedAllocator(paged(), mode="record", sinks=[full])
+    full.alloc = w2
+    _churn(w2)
+
+    def strip(es):
+        return [
+            (
+                type(e).__name__,
+                e.step,
+                *[
+                    (v.tolist() if isinstance(v, np.ndarray) else v)
+                    for k_, v in vars(e).items()
+                    if k_ not in ("seq", "ts")
+                ],
+            )
+            for e in es
+            if type(e) in (ev.LedgerUpdate, ev.RequestReleased)
+        ]
+
+    assert strip(events) == strip(full.events)
+
+
+def test_a_sink_subscribed_on_the_bus_directly_gets_every_kind():
+    c = Collector()
+    w = InstrumentedAllocator(paged(), mode="record")
+    w.bus.subscribe(c)
+    c.alloc = w
+    a, _b = _scenario(w)
+    w.free(t(a.row))
+    w.release_request("a")
+    w.step()
+    kinds = {type(e).__name__ for e in c.events}
+    assert kinds == {"LedgerUpdate", "Alloc", "PageUpdate", "Free", "RequestReleased", "StepBoundary"}
+    w.bus.unsubscribe(c)
+    assert _shadow_deltas(w) == [None]
