@@ -16,11 +16,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from benchmarks.common import scrape_every
 from benchmarks.soak import rss_bytes
 
 PRESET = "swa-128"
@@ -53,19 +52,10 @@ def _everything_on(seed: int, workdir: Path, endpoint: str):
     port = prom.serve(0)
     otel = OtelExporter(eng.alloc, endpoint=endpoint)
     rec = FlightRecorder(eng.alloc, workdir / f"bench-{seed}.sqlite", overwrite=True)
-    stop = threading.Event()
-
-    def scrape():
-        while not stop.wait(1.0):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                r.read()
-
-    th = threading.Thread(target=scrape, daemon=True)
-    th.start()
+    stop_scraping = scrape_every(port)
 
     def close():
-        stop.set()
-        th.join(timeout=10)
+        stop_scraping()
         rec.close()
         otel.shutdown()
         prom.close()

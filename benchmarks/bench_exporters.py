@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import CLOCKS, table
+from benchmarks.common import CLOCKS, scrape_every, table
 from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 
@@ -126,20 +124,10 @@ def _deploy(kind: str, alloc, endpoint: str):
         from exporters.prometheus import PrometheusExporter
 
         exp = PrometheusExporter(alloc)
-        port = exp.serve(0)
-        stop = threading.Event()
-
-        def scrape():
-            while not stop.wait(1.0):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                    r.read()
-
-        th = threading.Thread(target=scrape, daemon=True)
-        th.start()
+        stop_scraping = scrape_every(exp.serve(0))
 
         def close():
-            stop.set()
-            th.join(timeout=10)
+            stop_scraping()
             exp.close()
 
         return close

@@ -912,7 +912,7 @@ class InstrumentedAllocator:
             full, swa_pool = self._w_full, self._w_swa
             pos = seq - 1
 
-            def verify(o, s=None):
+            def check(o, pool, name):
                 # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
                 if shift is not None:
                     misaligned = np.count_nonzero((o - pos) & (ps - 1))
@@ -921,22 +921,15 @@ class InstrumentedAllocator:
                     misaligned = np.count_nonzero((o - pos) % ps)
                     pages = o // ps
                 if misaligned:
-                    self._misaligned(o, pos, own, op, "full")
-                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
+                    self._misaligned(o, pos, own, op, name)
+                bad = pool.shadow.on_alloc(pages, own, new_mask, n_new, op)
                 if bad:
-                    self._report(bad, "full", op)
+                    self._report(bad, name, op)
+
+            def verify(o, s=None):
+                check(o, full, "full")
                 if s is not None:
-                    if shift is not None:
-                        misaligned = np.count_nonzero((s - pos) & (ps - 1))
-                        spages = s >> shift
-                    else:
-                        misaligned = np.count_nonzero((s - pos) % ps)
-                        spages = s // ps
-                    if misaligned:
-                        self._misaligned(s, pos, own, op, "swa")
-                    bad = swa_pool.shadow.on_alloc(spages, own, new_mask, n_new, op)
-                    if bad:
-                        self._report(bad, "swa", op)
+                    check(s, swa_pool, "swa")
 
             if swa_pool is not None:
                 self._slot_tier(verify, out, self._swa_peer(out))
