@@ -14,12 +14,12 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   waited for; their page changes come in later events). A background writer thread owns the SQLite connection
   and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
   while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
-- File (format version 2): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
+- File (format version 3): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
   ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
   one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
   together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
   per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
-  under one request id. A reader opens version 2 only: another version raises ``RecordingVersionError`` naming
+  under one request id. A reader opens version 3 only: another version raises ``RecordingVersionError`` naming
   the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
@@ -203,11 +203,13 @@ _CLASSES = _classes_of(_KIND_NAMES)
 
 
 def _fields_of(cls: type) -> tuple:
-    """(name, is_tuple) of the payload fields of an event class (seq/ts/step are columns)."""
+    """(name, is_tuple, is_float) of the payload fields of an event class (seq/ts/step are columns)."""
     f = _FIELDS.get(cls)
     if f is None:
         f = tuple(
-            (x.name, x.type in ("tuple", tuple)) for x in dataclasses.fields(cls) if x.name not in ("seq", "ts", "step")
+            (x.name, x.type in ("tuple", tuple), x.type in ("float", float))
+            for x in dataclasses.fields(cls)
+            if x.name not in ("seq", "ts", "step")
         )
         _FIELDS[cls] = f
     return f
@@ -290,9 +292,9 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 class _Plan:
     """How the writer stores one event class: ``get`` reads (seq, *fields in dataclass order) from an instance
     dict (the timestamp is read apart); the row positions (2 + field index) of the fields that may hold arrays
-    (annotated ``Any``), of ``rid``, of a ``rids`` tuple and of a ``violation``."""
+    (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple and of a ``violation``."""
 
-    __slots__ = ("arrays", "boundary", "code", "get", "rid", "rids", "violation")
+    __slots__ = ("arrays", "boundary", "code", "floats", "get", "rid", "rids", "violation")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
@@ -300,6 +302,7 @@ class _Plan:
         names = [f.name for f in fields]
         self.get = operator.itemgetter("seq", *names) if names else (lambda d: (d["seq"],))
         self.arrays = tuple(2 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
+        self.floats = tuple(2 + i for i, f in enumerate(fields) if f.type in ("float", float))
         self.rid = 2 + names.index("rid") if "rid" in names else None
         self.rids = 2 + names.index("rids") if "rids" in names else None
         self.violation = 2 + names.index("violation") if "violation" in names else None
@@ -323,19 +326,24 @@ class _BlockWriter:
     ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
     (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
     body = u32 header length + header JSON + the events' timestamps as little-endian float64 (one per event, in
-    order; absent when the header has ``t``) + the little-endian bytes of every array of the block, concatenated.
+    order; absent when the header has ``t``) + the values of the events' float fields stored out of line
+    (little-endian float64, ``f`` of them, in event and field order) + the little-endian bytes of every array of
+    the block, concatenated.
     Header: ``e``: one ``[code, seq - the block's first seq, *fields]`` per event (fields in dataclass order;
-    an array as null, a ``rids`` tuple as its index in ``r``), followed, when some fields are arrays, by the bit
-    mask of those fields; ``t`` (only when some timestamp is not a float): the timestamps, in JSON;
+    an array or a float field's float as null, a ``rids`` tuple as its index in ``r``), followed, when some
+    fields are out of line, by the bit mask of those fields (a field annotated ``float``: the next float; else the
+    next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON; ``f`` (only when not 0):
+    the count of out-of-line floats;
     ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
     both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
     that holds every value of the block. (Timestamps are binary because the shortest repr of a float, which JSON
-    writes, costs more than the rest of an event's encoding.)"""
+    writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
     __slots__ = (
-        "arrays", "available", "boundary", "first", "rid_cache", "rids", "rindex", "rjson", "rows", "step", "ts",
+        "arrays", "available", "boundary", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows", "step",
+        "ts",
     )  # fmt: skip
 
     def __init__(self, step: int, first: int, rid_cache: dict | None):
@@ -345,6 +353,7 @@ class _BlockWriter:
         self.available = None
         self.rows: list = []
         self.ts: list = []
+        self.floats: list = []  # the float fields stored out of the JSON, in event order
         self.arrays: list = []
         self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
         self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
@@ -366,6 +375,12 @@ class _BlockWriter:
             v = row[i]
             if isinstance(v, np.ndarray):
                 self.arrays.append(v)
+                row[i] = None
+                mask |= 1 << (i - 2)
+        for i in p.floats:
+            v = row[i]
+            if type(v) is float:
+                self.floats.append(v)
                 row[i] = None
                 mask |= 1 << (i - 2)
         rid = None
@@ -428,9 +443,12 @@ class _BlockWriter:
         ameta = "[]"
         arrays = self.arrays
         if arrays:
-            dtypes = [a.dtype for a in arrays]
-            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dtypes):
-                flat_1d = all(a.ndim == 1 for a in arrays)
+            # A step that frees many requests has hundreds of tiny arrays: the checks run per distinct dtype and
+            # ndim, and the per-array work stays in C (map, set) rather than in Python loops.
+            dtypes = list(map(_DTYPE_OF, arrays))
+            dset = set(dtypes)
+            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dset):
+                flat_1d = set(map(_NDIM_OF, arrays)) == {1}
                 if len(arrays) == 1:
                     flat = arrays[0].ravel()
                 else:
@@ -444,8 +462,8 @@ class _BlockWriter:
                     store = "<i8"
                 seg = flat.astype(store).tobytes()
                 if flat_1d:  # the JSON of [store, [dtype, ...], [length, ...]], written directly
-                    names = ",".join(map(_dtype_json, dtypes))
-                    lens = ",".join([str(len(a)) for a in arrays])
+                    names = ",".join(map({d: _dtype_json(d) for d in dset}.__getitem__, dtypes))
+                    lens = ",".join(map(str, map(len, arrays)))
                     ameta = f'["{store}",[{names}],[{lens}]]'
                 else:
                     ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
@@ -456,13 +474,16 @@ class _BlockWriter:
         ts = self.ts
         if all(type(t) is float for t in ts):
             tpart = ""
-            tseg = array.array("d", ts)
-            if _BIG_ENDIAN:
-                tseg.byteswap()
-            tseg = tseg.tobytes()
+            fseg = array.array("d", ts)
         else:  # an int (or other) timestamp reads back as it was given
             tpart = f',"t":{_json(ts)}'
-            tseg = b""
+            fseg = array.array("d")
+        if self.floats:
+            fseg.extend(self.floats)
+            tpart += f',"f":{len(self.floats)}'
+        if _BIG_ENDIAN:
+            fseg.byteswap()
+        tseg = fseg.tobytes()
         head = f'{{"e":{_json(rows)}{tpart},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
         body = b"".join((struct.pack("<I", len(head)), head, tseg, seg))
         payload = b"B" + body
@@ -487,6 +508,8 @@ class _BlockWriter:
 
 _DTYPE_STR: dict = {}
 _DTYPE_JSON: dict = {}
+_DTYPE_OF = operator.attrgetter("dtype")
+_NDIM_OF = operator.attrgetter("ndim")
 # (kinds, counts JSON) of a block by its events' kind codes in order (any thread: the values only depend on the key).
 _COUNTS: dict = {}
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -531,6 +554,9 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         pos += 8 * len(rows)
     elif len(ts) != len(rows):
         raise ValueError(f"a block of {len(rows)} events has {len(ts)} timestamps")
+    nfl = doc.get("f", 0)
+    floats = iter(np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist())
+    pos += 8 * nfl
     arrays = []
     start = pos
     ameta = doc["a"]
@@ -561,9 +587,9 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
             raise ValueError(f"a {cls.__name__} row has {len(row)} items")
         mask = row[2 + nf] if len(row) > 2 + nf else 0
         kw = {}
-        for i, (name, is_tuple) in enumerate(fields):
+        for i, (name, is_tuple, is_float) in enumerate(fields):
             if mask >> i & 1:
-                v = next(it)
+                v = next(floats) if is_float else next(it)
             else:
                 v = row[2 + i]
                 if name == "rids" and type(v) is int:

@@ -274,6 +274,17 @@ def test_every_event_kind_round_trips():
         b.add(type(e), e.__dict__)
     got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
     assert [(e.seq, e.ts, type(e.ts)) for e in got] == [(1, 0.1, float), (2, 7, int), (3, 1e300, float)]
+    # Float fields (durations) are stored as float64 bits too; one that holds an int stays in the JSON.
+    b = recorder_mod._BlockWriter(0, 1, None)
+    for seq, duration in ((1, 1.5e-5), (2, 0), (3, 2.0**-1074)):
+        e = ev.Free(seq=seq, ts=0.5, step=0, op="free", pool="full", n_pages=1, rids=("a",), duration=duration)
+        b.add(type(e), e.__dict__)
+    got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
+    assert [(e.ts, e.duration, type(e.duration)) for e in got] == [
+        (0.5, 1.5e-5, float),
+        (0.5, 0, int),
+        (0.5, 2.0**-1074, float),
+    ]
 
 
 def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
