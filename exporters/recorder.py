@@ -416,7 +416,13 @@ class _BlockWriter:
             self.rids.add(rid)
         if p.boundary:
             self.boundary = d["seq"]
-            self.available = _json(d["available"])
+            av = d["available"]
+            if type(av) is dict and any(type(v) is not int for v in av.values()):
+                # numpy integers as ints once, here (as JSON would read them back), so that both encodings of
+                # the dict (in the row and in the column) stay in the C encoder, not its Python default hook.
+                av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
+                row[2] = av
+            self.available = _json(av)
 
     def _rids_json(self, rids: tuple) -> str:
         """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
@@ -453,7 +459,8 @@ class _BlockWriter:
                     flat = arrays[0].ravel()
                 else:
                     flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
-                lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+                # The ufuncs' own reduce: ndarray.min/max go through a Python wrapper that costs as much again.
+                lo, hi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
                 if lo >= _I2_MIN and hi <= _I2_MAX:
                     store = "<i2"
                 elif lo >= _I4_MIN and hi <= _I4_MAX:
@@ -509,6 +516,7 @@ class _BlockWriter:
 _DTYPE_STR: dict = {}
 _DTYPE_JSON: dict = {}
 _DTYPE_OF = operator.attrgetter("dtype")
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 _NDIM_OF = operator.attrgetter("ndim")
 # (kinds, counts JSON) of a block by its events' kind codes in order (any thread: the values only depend on the key).
 _COUNTS: dict = {}
