@@ -14,12 +14,12 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   waited for; their page changes come in later events). A background writer thread owns the SQLite connection
   and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
   while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
-- File (format version 2): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
+- File (format version 3): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
   ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
   one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
   together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
   per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
-  under one request id. A reader opens version 2 only: another version raises ``RecordingVersionError`` naming
+  under one request id. A reader opens version 3 only: another version raises ``RecordingVersionError`` naming
   the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
@@ -63,6 +63,7 @@ otherwise). Readers need nothing: replay, ``state_at`` and the dashboard key req
 
 from __future__ import annotations
 
+import array
 import atexit
 import collections
 import contextlib
@@ -74,6 +75,7 @@ import os
 import queue
 import sqlite3
 import struct
+import sys
 import threading
 import time
 import urllib.parse
@@ -93,7 +95,7 @@ from instrumented_alloc.replay import EventsLost, ReplayState
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
-FORMAT_VERSION = 2  # 2: events stored in blocks (about one row per step), not one row each
+FORMAT_VERSION = 3  # 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64
 SINK_NAME = "recorder"
 
 _COMMIT_ROWS = 5000  # events written since the last commit that force one
@@ -201,11 +203,13 @@ _CLASSES = _classes_of(_KIND_NAMES)
 
 
 def _fields_of(cls: type) -> tuple:
-    """(name, is_tuple) of the payload fields of an event class (seq/ts/step are columns)."""
+    """(name, is_tuple, is_float) of the payload fields of an event class (seq/ts/step are columns)."""
     f = _FIELDS.get(cls)
     if f is None:
         f = tuple(
-            (x.name, x.type in ("tuple", tuple)) for x in dataclasses.fields(cls) if x.name not in ("seq", "ts", "step")
+            (x.name, x.type in ("tuple", tuple), x.type in ("float", float))
+            for x in dataclasses.fields(cls)
+            if x.name not in ("seq", "ts", "step")
         )
         _FIELDS[cls] = f
     return f
@@ -286,21 +290,22 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores one event class: ``get`` reads (seq, ts, *fields in dataclass order) from an instance
-    dict; the row positions (3 + field index) of the fields that may hold arrays (annotated ``Any``), of ``rid``,
-    of a ``rids`` tuple and of a ``violation``."""
+    """How the writer stores one event class: ``get`` reads (seq, *fields in dataclass order) from an instance
+    dict (the timestamp is read apart); the row positions (2 + field index) of the fields that may hold arrays
+    (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple and of a ``violation``."""
 
-    __slots__ = ("arrays", "boundary", "code", "get", "rid", "rids", "violation")
+    __slots__ = ("arrays", "boundary", "code", "floats", "get", "rid", "rids", "violation")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
         names = [f.name for f in fields]
-        self.get = operator.itemgetter("seq", "ts", *names)
-        self.arrays = tuple(3 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
-        self.rid = 3 + names.index("rid") if "rid" in names else None
-        self.rids = 3 + names.index("rids") if "rids" in names else None
-        self.violation = 3 + names.index("violation") if "violation" in names else None
+        self.get = operator.itemgetter("seq", *names) if names else (lambda d: (d["seq"],))
+        self.arrays = tuple(2 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
+        self.floats = tuple(2 + i for i, f in enumerate(fields) if f.type in ("float", float))
+        self.rid = 2 + names.index("rid") if "rid" in names else None
+        self.rids = 2 + names.index("rids") if "rids" in names else None
+        self.violation = 2 + names.index("violation") if "violation" in names else None
         self.boundary = cls is ev.StepBoundary
 
 
@@ -320,16 +325,26 @@ class _BlockWriter:
     A block holds consecutive events of ONE step (``step``), at most one ``StepBoundary`` (``boundary``: its seq,
     ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
     (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
-    body = u32 header length + header JSON + the little-endian bytes of every array of the block, concatenated.
-    Header: ``e``: one ``[code, seq - the block's first seq, ts, *fields]`` per event (fields in dataclass order;
-    an array as null, a ``rids`` tuple as its index in ``r``), followed, when some fields are arrays, by the bit
-    mask of those fields; ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
+    body = u32 header length + header JSON + the events' timestamps as little-endian float64 (one per event, in
+    order; absent when the header has ``t``) + the values of the events' float fields stored out of line
+    (little-endian float64, ``f`` of them, in event and field order) + the little-endian bytes of every array of
+    the block, concatenated.
+    Header: ``e``: one ``[code, seq - the block's first seq, *fields]`` per event (fields in dataclass order;
+    an array or a float field's float as null, a ``rids`` tuple as its index in ``r``), followed, when some
+    fields are out of line, by the bit mask of those fields (a field annotated ``float``: the next float; else the
+    next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON; ``f`` (only when not 0):
+    the count of out-of-line floats;
+    ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
     both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
-    that holds every value of the block."""
+    that holds every value of the block. (Timestamps are binary because the shortest repr of a float, which JSON
+    writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
-    __slots__ = ("arrays", "available", "boundary", "first", "rid_cache", "rids", "rindex", "rjson", "rows", "step")
+    __slots__ = (
+        "arrays", "available", "boundary", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows", "step",
+        "ts",
+    )  # fmt: skip
 
     def __init__(self, step: int, first: int, rid_cache: dict | None):
         self.step = step
@@ -337,6 +352,8 @@ class _BlockWriter:
         self.boundary = None
         self.available = None
         self.rows: list = []
+        self.ts: list = []
+        self.floats: list = []  # the float fields stored out of the JSON, in event order
         self.arrays: list = []
         self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
         self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
@@ -352,13 +369,20 @@ class _BlockWriter:
         p = _PLANS.get(cls) or _plan(cls)
         row = [p.code, *p.get(d)]
         row[1] -= self.first
+        self.ts.append(d["ts"])
         mask = 0
         for i in p.arrays:
             v = row[i]
             if isinstance(v, np.ndarray):
                 self.arrays.append(v)
                 row[i] = None
-                mask |= 1 << (i - 3)
+                mask |= 1 << (i - 2)
+        for i in p.floats:
+            v = row[i]
+            if type(v) is float:
+                self.floats.append(v)
+                row[i] = None
+                mask |= 1 << (i - 2)
         rid = None
         i = p.rid
         if i is not None:
@@ -392,7 +416,13 @@ class _BlockWriter:
             self.rids.add(rid)
         if p.boundary:
             self.boundary = d["seq"]
-            self.available = _json(d["available"])
+            av = d["available"]
+            if type(av) is dict and any(type(v) is not int for v in av.values()):
+                # numpy integers as ints once, here (as JSON would read them back), so that both encodings of
+                # the dict (in the row and in the column) stay in the C encoder, not its Python default hook.
+                av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
+                row[2] = av
+            self.available = _json(av)
 
     def _rids_json(self, rids: tuple) -> str:
         """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
@@ -419,14 +449,18 @@ class _BlockWriter:
         ameta = "[]"
         arrays = self.arrays
         if arrays:
-            dtypes = [a.dtype for a in arrays]
-            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dtypes):
-                flat_1d = all(a.ndim == 1 for a in arrays)
+            # A step that frees many requests has hundreds of tiny arrays: the checks run per distinct dtype and
+            # ndim, and the per-array work stays in C (map, set) rather than in Python loops.
+            dtypes = list(map(_DTYPE_OF, arrays))
+            dset = set(dtypes)
+            if all(d.kind == "i" or (d.kind == "u" and d.itemsize < 8) for d in dset):
+                flat_1d = set(map(_NDIM_OF, arrays)) == {1}
                 if len(arrays) == 1:
                     flat = arrays[0].ravel()
                 else:
                     flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
-                lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+                # The ufuncs' own reduce: ndarray.min/max go through a Python wrapper that costs as much again.
+                lo, hi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
                 if lo >= _I2_MIN and hi <= _I2_MAX:
                     store = "<i2"
                 elif lo >= _I4_MIN and hi <= _I4_MAX:
@@ -434,39 +468,72 @@ class _BlockWriter:
                 else:
                     store = "<i8"
                 seg = flat.astype(store).tobytes()
-                if flat_1d:
-                    ameta = _json([store, [_dtype_str(d) for d in dtypes], [len(a) for a in arrays]])
+                if flat_1d:  # the JSON of [store, [dtype, ...], [length, ...]], written directly
+                    names = ",".join(map({d: _dtype_json(d) for d in dset}.__getitem__, dtypes))
+                    lens = ",".join(map(str, map(len, arrays)))
+                    ameta = f'["{store}",[{names}],[{lens}]]'
                 else:
                     ameta = _json([[_dtype_str(d), store, a.shape] for d, a in zip(dtypes, arrays)])
             else:
                 stores = [d.newbyteorder("<") for d in dtypes]
                 seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
                 ameta = _json([[d.str, st.str, a.shape] for d, st, a in zip(dtypes, stores, arrays)])
-        head = f'{{"e":{_json(rows)},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
-        body = b"".join((struct.pack("<I", len(head)), head, seg))
+        ts = self.ts
+        if all(type(t) is float for t in ts):
+            tpart = ""
+            fseg = array.array("d", ts)
+        else:  # an int (or other) timestamp reads back as it was given
+            tpart = f',"t":{_json(ts)}'
+            fseg = array.array("d")
+        if self.floats:
+            fseg.extend(self.floats)
+            tpart += f',"f":{len(self.floats)}'
+        if _BIG_ENDIAN:
+            fseg.byteswap()
+        tseg = fseg.tobytes()
+        head = f'{{"e":{_json(rows)}{tpart},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
+        body = b"".join((struct.pack("<I", len(head)), head, tseg, seg))
         payload = b"B" + body
         if len(body) > _COMPRESS_OVER:
             d = deflate or _deflater()
             z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
             if len(z) < len(body):
                 payload = b"D" + z
-        counts = collections.Counter(r[0] for r in rows)
-        kinds = 0
-        for code in counts:
-            kinds |= 1 << code
+        codes = tuple([r[0] for r in rows])
+        hit = _COUNTS.get(codes)  # a decode step repeats the same kinds in the same order, block after block
+        if hit is None:
+            counts = collections.Counter(codes)
+            kinds = 0
+            for code in counts:
+                kinds |= 1 << code
+            if len(_COUNTS) >= 1024:
+                _COUNTS.clear()
+            hit = _COUNTS[codes] = (kinds, _json(counts))
         last = self.first + rows[-1][1]
-        return (
-            self.first, last, self.step, len(rows), kinds, _json(counts), self.boundary, self.available, payload,
-        )  # fmt: skip
+        return (self.first, last, self.step, len(rows), hit[0], hit[1], self.boundary, self.available, payload)
 
 
 _DTYPE_STR: dict = {}
+_DTYPE_JSON: dict = {}
+_DTYPE_OF = operator.attrgetter("dtype")
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_NDIM_OF = operator.attrgetter("ndim")
+# (kinds, counts JSON) of a block by its events' kind codes in order (any thread: the values only depend on the key).
+_COUNTS: dict = {}
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _dtype_str(d: np.dtype) -> str:
     s = _DTYPE_STR.get(d)
     if s is None:
         s = _DTYPE_STR[d] = d.str
+    return s
+
+
+def _dtype_json(d: np.dtype) -> str:
+    s = _DTYPE_JSON.get(d)
+    if s is None:
+        s = _DTYPE_JSON[d] = _json(d.str)
     return s
 
 
@@ -487,8 +554,19 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         raise ValueError(f"unknown block encoding {tag!r}")
     (n,) = struct.unpack_from("<I", body, 0)
     doc = json.loads(body[4 : 4 + n])
-    arrays = []
+    rows = doc["e"]
     pos = 4 + n
+    ts = doc.get("t")
+    if ts is None:
+        ts = np.frombuffer(body, dtype="<f8", count=len(rows), offset=pos).tolist()
+        pos += 8 * len(rows)
+    elif len(ts) != len(rows):
+        raise ValueError(f"a block of {len(rows)} events has {len(ts)} timestamps")
+    nfl = doc.get("f", 0)
+    floats = iter(np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist())
+    pos += 8 * nfl
+    arrays = []
+    start = pos
     ameta = doc["a"]
     if ameta and isinstance(ameta[0], str):  # the 1-D integer form
         store, dtypes, lens = ameta
@@ -502,26 +580,26 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         arrays.append(a.astype(np.dtype(dtype).newbyteorder("=")))
         pos += count * st.itemsize
     if pos != len(body):
-        raise ValueError(f"block arrays take {pos - 4 - n} bytes, the block has {len(body) - 4 - n}")
+        raise ValueError(f"block arrays take {pos - start} bytes, the block has {len(body) - start}")
     rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
     out = []
     it = iter(arrays)
     make = ev.make
-    for row in doc["e"]:
+    for row, t in zip(rows, ts):
         cls = classes[row[0]]
         if cls is None:
             raise ValueError(f"unknown event kind code {row[0]}")
         fields = _fields_of(cls)
         nf = len(fields)
-        if len(row) not in (3 + nf, 4 + nf):
+        if len(row) not in (2 + nf, 3 + nf):
             raise ValueError(f"a {cls.__name__} row has {len(row)} items")
-        mask = row[3 + nf] if len(row) > 3 + nf else 0
+        mask = row[2 + nf] if len(row) > 2 + nf else 0
         kw = {}
-        for i, (name, is_tuple) in enumerate(fields):
+        for i, (name, is_tuple, is_float) in enumerate(fields):
             if mask >> i & 1:
-                v = next(it)
+                v = next(floats) if is_float else next(it)
             else:
-                v = row[3 + i]
+                v = row[2 + i]
                 if name == "rids" and type(v) is int:
                     v = rlists[v]
                 elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
@@ -529,7 +607,7 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
             kw[name] = v
         if isinstance(kw.get("violation"), dict):
             kw["violation"] = Violation(**kw["violation"])
-        out.append(make(cls, first + row[1], row[2], step, kw))
+        out.append(make(cls, first + row[1], t, step, kw))
     return out
 
 

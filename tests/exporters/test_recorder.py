@@ -267,6 +267,24 @@ def test_every_event_kind_round_trips():
     odd = ev.Free(seq=1, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=(("t", 1), None, 2.5))
     kind, _, payload = encode_event(odd)
     assert decode_event(kind, 1, 0, 0.0, payload).rids == ("('t', 1)", None, "2.5")
+    # Timestamps are stored as float64 bits; a block with a timestamp that is not a float keeps them all in JSON.
+    b = recorder_mod._BlockWriter(0, 1, None)
+    for seq, ts in ((1, 0.1), (2, 7), (3, 1e300)):
+        e = ev.Free(seq=seq, ts=ts, step=0, op="free", pool="full", n_pages=1, rids=("a",))
+        b.add(type(e), e.__dict__)
+    got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
+    assert [(e.seq, e.ts, type(e.ts)) for e in got] == [(1, 0.1, float), (2, 7, int), (3, 1e300, float)]
+    # Float fields (durations) are stored as float64 bits too; one that holds an int stays in the JSON.
+    b = recorder_mod._BlockWriter(0, 1, None)
+    for seq, duration in ((1, 1.5e-5), (2, 0), (3, 2.0**-1074)):
+        e = ev.Free(seq=seq, ts=0.5, step=0, op="free", pool="full", n_pages=1, rids=("a",), duration=duration)
+        b.add(type(e), e.__dict__)
+    got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
+    assert [(e.ts, e.duration, type(e.duration)) for e in got] == [
+        (0.5, 1.5e-5, float),
+        (0.5, 0, int),
+        (0.5, 2.0**-1074, float),
+    ]
 
 
 def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
@@ -499,10 +517,11 @@ def test_not_a_recording_is_a_clear_error(tmp_path):
 
 
 def test_other_format_versions_are_a_clear_error(tmp_path):
-    # A version-1 recording (one row per event) or one from a newer writer: the error names the file and both
-    # versions; a writer may still replace such a file with overwrite=True.
+    # A version-1 recording (one row per event), a version-2 one (timestamps in the blocks' JSON) or one from a
+    # newer writer: the error names the file and both versions; a writer may still replace such a file with
+    # overwrite=True.
     e = Engine("paged-4", False, "immediate")
-    for version, word in ((1, "older"), (FORMAT_VERSION + 1, "newer")):
+    for version, word in ((1, "older"), (2, "older"), (FORMAT_VERSION + 1, "newer")):
         path = tmp_path / f"v{version}.db"
         FlightRecorder(e.w, path).close()
         with sqlite3.connect(path) as c:
@@ -517,7 +536,7 @@ def test_other_format_versions_are_a_clear_error(tmp_path):
             FlightRecorder(e.w, path)
         FlightRecorder(e.w, path, overwrite=True).close()
         with Recording(path) as r:
-            assert r.meta["format_version"] == FORMAT_VERSION == 2
+            assert r.meta["format_version"] == FORMAT_VERSION == 3
 
 
 def test_missing_step_is_a_clear_error(tmp_path):
