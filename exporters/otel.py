@@ -99,6 +99,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, Tra
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.redact import as_hasher
@@ -192,6 +193,9 @@ class CountingSpanExporter(SpanExporter):
         self._dropped = 0
         self._failed = 0
         self._exported = 0
+        # _exported + _dropped, kept as one int so that settled() reads it without the lock (one attribute read
+        # is atomic): the batch processor's admit() asks on every span, on the engine thread.
+        self._settled = 0
 
     def export(self, spans) -> SpanExportResult:
         n = len(spans)
@@ -207,11 +211,12 @@ class CountingSpanExporter(SpanExporter):
                 else:
                     self._dropped += n
                     self._failed += 1
+                self._settled += n
 
     def settled(self) -> int:
-        """Spans whose export call finished, either way."""
-        with self._lock:
-            return self._exported + self._dropped
+        """Spans whose export call finished, either way. Lock-free: a value the count had at the moment of the
+        call or just before (it only grows), never one ahead of it."""
+        return self._settled
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -305,7 +310,9 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
     def admit(self, span) -> None:
         """``on_end`` of a span known to be sampled (``OtelExporter``'s fast path builds only such spans)."""
-        settled = self.counting.settled()
+        # settled() without the call, read lock-free: a count that only grows, so a stale value only makes the
+        # queue look fuller than it is (a span refused early, never an SDK queue that overflows).
+        settled = self.counting._settled
         with self._count_lock:
             if self._closed:
                 self._queue_full += 1  # the SDK would ignore it (shut down): lost all the same
@@ -344,10 +351,11 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 class _FastTracer:
     """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
 
-    __slots__ = ("ids", "processor", "provider", "scope")
+    __slots__ = ("ids", "processor", "provider", "resource", "scope")
 
     def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
         self.provider = provider
+        self.resource = provider.resource
         self.ids = provider.id_generator
         self.processor = processor
         # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
@@ -358,6 +366,8 @@ class _FastTracer:
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_TRACE_ID_MAX = 2**128 - 1
+_SPAN_ID_MAX = 2**64 - 1
 _UNSET = Status(StatusCode.UNSET)
 
 
@@ -405,7 +415,11 @@ class _FastSpan:
     def get_span_context(self) -> SpanContext:
         ctx = self._ctx
         if ctx is None:
-            ctx = self._ctx = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED)
+            # What SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED) builds, without its
+            # defaults handling (is_valid computed the same way).
+            tid, sid = self.trace_id, self.span_id
+            valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
         return ctx
 
     def is_recording(self) -> bool:
@@ -432,19 +446,23 @@ class _FastSpan:
             return  # ended once, exported once (the SDK only logs a second end)
         self.end_time = time.time_ns() if end_time is None else end_time
         tracer = self._tracer
+        # Positional, in ReadableSpan.__init__'s order (cheaper than keywords): name, context, parent, resource,
+        # attributes, events, links, kind, instrumentation_info, status, start_time, end_time, scope.
         tracer.processor.admit(
             ReadableSpan(
                 self.name,
-                context=self.get_span_context(),
-                parent=self.parent,
-                resource=tracer.provider.resource,
-                attributes=self.attributes,
-                events=tuple(self.events),
-                kind=SpanKind.INTERNAL,
-                status=self.status,
-                start_time=self.start_time,
-                end_time=self.end_time,
-                instrumentation_scope=tracer.scope,
+                self.get_span_context(),
+                self.parent,
+                tracer.resource,
+                self.attributes,
+                tuple(self.events),
+                (),
+                SpanKind.INTERNAL,
+                None,
+                self.status,
+                self.start_time,
+                self.end_time,
+                tracer.scope,
             )
         )
 

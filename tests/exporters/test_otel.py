@@ -1014,3 +1014,35 @@ def test_span_exporter_argument_checks(otel_env):
         OtelExporter(w, span_exporter=InMemorySpanExporter(), tracer_provider=TracerProvider())
     with pytest.raises(TypeError, match="span_exporter"):
         OtelExporter(w, span_exporter=object())
+
+
+def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
+    """The fast path's ReadableSpan, field by field: its context equals what ``SpanContext(...)`` builds (is_valid,
+    the default trace state), no links, INTERNAL, our provider's resource and scope; the processor's settled count
+    (read lock-free by ``admit``) is the exported spans once they are exported."""
+    from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+    from opentelemetry.trace.span import DEFAULT_TRACE_STATE
+
+    from exporters.otel import TRACER_NAME
+
+    mem = InMemorySpanExporter()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=mem)
+    assert exp._fast is not None
+    reqs = [Req("a")]
+    extend(w, reqs, [5])
+    w.free(torch.tensor(reqs[0].row, dtype=torch.int64))
+    w.release_request("a")
+    assert exp.shutdown(timeout_millis=5000)
+    (s,) = mem.get_finished_spans()
+    ctx = s.context
+    assert type(ctx) is SpanContext
+    assert ctx == SpanContext(ctx.trace_id, ctx.span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    assert ctx.is_valid is True and ctx.is_remote is False and ctx.trace_state is DEFAULT_TRACE_STATE
+    assert ctx.trace_flags.sampled and ctx.trace_id != 0 and ctx.span_id != 0
+    assert s.name == "kv.request" and s.parent is None and s.links == () and s.kind is SpanKind.INTERNAL
+    assert s.resource is exp.tracer_provider.resource
+    assert s.instrumentation_scope.name == TRACER_NAME
+    assert s.start_time <= s.end_time
+    assert [e.name for e in s.events] == ["kv.prefill", "kv.release"]
+    assert exp._counting.counting.settled() == exp._counting.exported == 1
