@@ -13,8 +13,9 @@ What is traced
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
   frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
-  counted, never one event per token; consecutive decodes of one ``batch()`` block are folded into one update of
-  the requests' records, applied before the sink handles any other event) and ``kv.events_dropped``.
+  counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
+  next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
+  the sink handles any other event it reads) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
@@ -550,10 +551,13 @@ class OtelExporter:
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
         self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
-        # Decode steps of one batch() block, folded: [rids tuple, latest LedgerUpdate, decodes not yet applied].
-        # Applied to the requests' records before any other event is handled (and at shutdown), so every reader
-        # of those records sees what per-step updates would have left. Valid while the set of open spans is
-        # unchanged since the tuple's requests were all found open (``_open_version``).
+        # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
+        # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
+        # [rids tuple, latest LedgerUpdate, decodes not yet applied]. Applied to the requests' records before any
+        # other event this sink reads is handled (and at shutdown), so every reader of those records sees what
+        # per-step updates would have left; events it does not read (Free, StepBoundary) leave the fold open.
+        # Valid while the set of open spans is unchanged since the tuple's requests were all found open
+        # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
         self._dec: list | None = None
         self._dec_version = -1
         self._open_version = 0
@@ -688,13 +692,17 @@ class OtelExporter:
                 handlers = self._handlers
                 for e in batch:
                     t = type(e)
-                    if self._dec is not None and not (
-                        (t is ev.LedgerUpdate or t is ev.Alloc) and e.op in DECODE_OPS and e.rids is self._dec[0]
+                    h = handlers.get(t)
+                    if h is None:
+                        continue  # an event we do not read (Free, StepBoundary, ...): no record is read or moved
+                    d = self._dec
+                    if d is not None and not (
+                        (t is ev.LedgerUpdate or t is ev.Alloc)
+                        and e.op in DECODE_OPS
+                        and (e.rids is d[0] or e.rids == d[0])
                     ):
                         self._flush_decode()
-                    h = handlers.get(t)
-                    if h is not None:
-                        h(e, later)
+                    h(e, later)
                 for r, name, attrs in later:
                     self._add_event(r, name, attrs)
                 return True
@@ -756,8 +764,9 @@ class OtelExporter:
         op = e.op
         if op in DECODE_OPS:
             d = self._dec
-            if d is not None and d[0] is e.rids and self._dec_version == self._open_version:
-                d[1] = e  # the hot path: the next decode of the same batch is folded (see __init__)
+            rids = e.rids
+            if d is not None and (d[0] is rids or d[0] == rids) and self._dec_version == self._open_version:
+                d[1] = e  # the hot path: the next decode of the same requests is folded (see __init__)
                 d[2] += 1
                 return
             if d is not None:

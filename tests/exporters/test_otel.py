@@ -1046,3 +1046,38 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
     assert s.start_time <= s.end_time
     assert [e.name for e in s.events] == ["kv.prefill", "kv.release"]
     assert exp._counting.counting.settled() == exp._counting.exported == 1
+
+
+
+def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
+    """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
+    the same object; steps between them: events this sink does not read) are folded into one pending update; a
+    decode of a different batch or the frees before a release (ledger updates this sink reads) apply it first.
+    The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
+    the slots of whole pages reserved, page size 4)."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    for _ in range(3):
+        decode(w, [a, b])  # a new list, so a new rids tuple, each time
+        w.step()
+    assert exp._dec is not None and exp._dec[2] == 2  # the first applied, the next two folded
+    decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
+    assert exp._dec[0] == ("b",) and exp._dec[2] == 0
+    for _ in range(2):
+        decode(w, [a, b])
+        w.step()
+    assert exp._dec[2] == 1
+    w.free(t(a.row))
+    assert exp._dec is None
+    w.release_request("a")
+    w.free(t(b.row))
+    w.release_request("b")
+    spans = request_spans(mem)
+    sa, sb = spans["a"].attributes, spans["b"].attributes
+    assert (sa["kv.decode_steps"], sa["kv.allocated_len"], sa["kv.committed_len"]) == (5, 12, 10)
+    assert (sb["kv.decode_steps"], sb["kv.allocated_len"], sb["kv.committed_len"]) == (6, 16, 13)
+    assert [n for n, _ in events(spans["a"])] == [n for n, _ in events(spans["b"])] == ["kv.prefill", "kv.release"]
+    assert not w.violations
