@@ -711,7 +711,8 @@ class OtelExporter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return False
             finally:
-                self._pending.clear()
+                if self._pending:
+                    self._pending.clear()
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
@@ -744,6 +745,22 @@ class OtelExporter:
             r.dropped += 1
 
     def _end(self, r: _Req, held: int | None = None, peak: int | None = None) -> None:
+        span = r.span
+        if held is not None and peak is not None:  # a release: one dict, built in the order below
+            span.set_attributes(
+                {
+                    "kv.allocated_len": r.allocated,
+                    "kv.committed_len": r.committed,
+                    "kv.swa_evicted_seqlen": r.evicted,
+                    "kv.violations": r.violations,
+                    "kv.decode_steps": r.decode_steps,
+                    "kv.events_dropped": r.dropped,
+                    "kv.pages.peak": peak,
+                    "kv.pages.held_at_release": held,
+                }
+            )
+            span.end()
+            return
         attrs = {
             "kv.allocated_len": r.allocated,
             "kv.committed_len": r.committed,
@@ -756,8 +773,8 @@ class OtelExporter:
             attrs["kv.pages.peak"] = peak
         if held is not None:
             attrs["kv.pages.held_at_release"] = held
-        r.span.set_attributes(attrs)
-        r.span.end()
+        span.set_attributes(attrs)
+        span.end()
 
     # -- event handlers ---------------------------------------------------------------------------------------
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
@@ -892,12 +909,16 @@ class OtelExporter:
                 if item[0] is r:
                     self._add_event(r, item[1], item[2])
             later[:] = [item for item in later if item[0] is not r]
-        attrs = {"kv.pages_held": e.pages_held, "kv.pages_peak": e.pages_peak, "kv.step": e.step}
-        self._add_event(r, EV_RELEASE, attrs, reserved=True)
-        self._end(r, held=e.pages_held, peak=e.pages_peak)
+        held, peak = e.pages_held, e.pages_peak
+        if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
+            r.n_events += 1
+            r.span.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
+        else:
+            r.dropped += 1
+        self._end(r, held=held, peak=peak)
         ended = self._ended
         ended[e.rid] = r.span.get_span_context()
-        while len(ended) > _RECENT_ENDED:
+        if len(ended) > _RECENT_ENDED:  # one added at a time: one out
             ended.popitem(last=False)
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
