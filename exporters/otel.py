@@ -456,7 +456,7 @@ class _FastSpan:
                 self.parent,
                 tracer.resource,
                 self.attributes,
-                tuple(self.events),
+                self.events,  # no copy: nothing is added once ended, and ReadableSpan.events hands out a tuple
                 (),
                 SpanKind.INTERNAL,
                 None,
