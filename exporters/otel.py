@@ -553,9 +553,11 @@ class OtelExporter:
         self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
         # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
         # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
-        # [rids tuple, latest LedgerUpdate, decodes not yet applied]. Applied to the requests' records before any
-        # other event this sink reads is handled (and at shutdown), so every reader of those records sees what
-        # per-step updates would have left; events it does not read (Free, StepBoundary) leave the fold open.
+        # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
+        # first decode is folded too (one pass over the batch per run of equal decodes, at the flush). Applied to
+        # the requests' records before any other event this sink reads is handled (and at shutdown), so every
+        # reader of those records sees what per-step updates would have left; events it does not read (Free,
+        # StepBoundary) leave the fold open.
         # Valid while the set of open spans is unchanged since the tuple's requests were all found open
         # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
         self._dec: list | None = None
@@ -788,10 +790,17 @@ class OtelExporter:
                 return
             if d is not None:
                 self._flush_decode()
+            if all(map(self._open.__contains__, rids)):
+                # Every request's span is open: this decode starts a fold without touching them; the one pass over
+                # the batch is the flush's, however many equal decodes follow.
+                self._dec = [rids, e, 1]
+                self._dec_version = self._open_version
+                return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         get = self._open.get
         if op in DECODE_OPS:
-            # The first decode of a batch: one pass (opening spans as needed), counted here, not per Alloc event.
+            # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
+            # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
                 r = get(rid)
                 if r is None:

@@ -1051,8 +1051,9 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
 
 def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
-    the same object; steps between them: events this sink does not read) are folded into one pending update; a
-    decode of a different batch or the frees before a release (ledger updates this sink reads) apply it first.
+    the same object; steps between them: events this sink does not read) are folded into one pending update, the
+    first decode too when every span is open; a decode of a different batch or the frees before a release (ledger
+    updates this sink reads) apply it first.
     The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
     the slots of whole pages reserved, page size 4)."""
     provider, mem = memory
@@ -1063,13 +1064,13 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     for _ in range(3):
         decode(w, [a, b])  # a new list, so a new rids tuple, each time
         w.step()
-    assert exp._dec is not None and exp._dec[2] == 2  # the first applied, the next two folded
+    assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
     decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
-    assert exp._dec[0] == ("b",) and exp._dec[2] == 0
+    assert exp._dec[0] == ("b",) and exp._dec[2] == 1
     for _ in range(2):
         decode(w, [a, b])
         w.step()
-    assert exp._dec[2] == 1
+    assert exp._dec[2] == 2
     w.free(t(a.row))
     assert exp._dec is None
     w.release_request("a")
@@ -1080,4 +1081,29 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     assert (sa["kv.decode_steps"], sa["kv.allocated_len"], sa["kv.committed_len"]) == (5, 12, 10)
     assert (sb["kv.decode_steps"], sb["kv.allocated_len"], sb["kv.committed_len"]) == (6, 16, 13)
     assert [n for n, _ in events(spans["a"])] == [n for n, _ in events(spans["b"])] == ["kv.prefill", "kv.release"]
+    assert not w.violations
+
+
+def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory):
+    """An exporter attached after a request's prefill first sees it at a decode: that decode opens the span and is
+    applied at once (not folded: no span to fold into yet); the next equal decodes fold into it."""
+    provider, mem = memory
+    w = paged()
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    exp = OtelExporter(w, tracer_provider=provider)
+    decode(w, [a, b])
+    assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
+    decode(w, [a, b])
+    decode(w, [a, b])
+    assert exp._dec[2] == 2
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert (sa.attributes["kv.decode_steps"], sa.attributes["kv.allocated_len"], sa.attributes["kv.committed_len"]) == (
+        3,
+        8,
+        8,
+    )
+    assert [n for n, _ in events(sa)] == ["kv.release"]
     assert not w.violations
