@@ -13,8 +13,9 @@ What is traced
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
   frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
-  counted, never one event per token; consecutive decodes of one ``batch()`` block are folded into one update of
-  the requests' records, applied before the sink handles any other event) and ``kv.events_dropped``.
+  counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
+  next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
+  the sink handles any other event it reads) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
@@ -99,6 +100,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, Tra
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.redact import as_hasher
@@ -192,6 +194,9 @@ class CountingSpanExporter(SpanExporter):
         self._dropped = 0
         self._failed = 0
         self._exported = 0
+        # _exported + _dropped, kept as one int so that settled() reads it without the lock (one attribute read
+        # is atomic): the batch processor's admit() asks on every span, on the engine thread.
+        self._settled = 0
 
     def export(self, spans) -> SpanExportResult:
         n = len(spans)
@@ -207,11 +212,12 @@ class CountingSpanExporter(SpanExporter):
                 else:
                     self._dropped += n
                     self._failed += 1
+                self._settled += n
 
     def settled(self) -> int:
-        """Spans whose export call finished, either way."""
-        with self._lock:
-            return self._exported + self._dropped
+        """Spans whose export call finished, either way. Lock-free: a value the count had at the moment of the
+        call or just before (it only grows), never one ahead of it."""
+        return self._settled
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -305,7 +311,9 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
     def admit(self, span) -> None:
         """``on_end`` of a span known to be sampled (``OtelExporter``'s fast path builds only such spans)."""
-        settled = self.counting.settled()
+        # settled() without the call, read lock-free: a count that only grows, so a stale value only makes the
+        # queue look fuller than it is (a span refused early, never an SDK queue that overflows).
+        settled = self.counting._settled
         with self._count_lock:
             if self._closed:
                 self._queue_full += 1  # the SDK would ignore it (shut down): lost all the same
@@ -344,10 +352,11 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 class _FastTracer:
     """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
 
-    __slots__ = ("ids", "processor", "provider", "scope")
+    __slots__ = ("ids", "processor", "provider", "resource", "scope")
 
     def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
         self.provider = provider
+        self.resource = provider.resource
         self.ids = provider.id_generator
         self.processor = processor
         # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
@@ -358,6 +367,8 @@ class _FastTracer:
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_TRACE_ID_MAX = 2**128 - 1
+_SPAN_ID_MAX = 2**64 - 1
 _UNSET = Status(StatusCode.UNSET)
 
 
@@ -405,7 +416,11 @@ class _FastSpan:
     def get_span_context(self) -> SpanContext:
         ctx = self._ctx
         if ctx is None:
-            ctx = self._ctx = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED)
+            # What SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED) builds, without its
+            # defaults handling (is_valid computed the same way).
+            tid, sid = self.trace_id, self.span_id
+            valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
         return ctx
 
     def is_recording(self) -> bool:
@@ -432,19 +447,23 @@ class _FastSpan:
             return  # ended once, exported once (the SDK only logs a second end)
         self.end_time = time.time_ns() if end_time is None else end_time
         tracer = self._tracer
+        # Positional, in ReadableSpan.__init__'s order (cheaper than keywords): name, context, parent, resource,
+        # attributes, events, links, kind, instrumentation_info, status, start_time, end_time, scope.
         tracer.processor.admit(
             ReadableSpan(
                 self.name,
-                context=self.get_span_context(),
-                parent=self.parent,
-                resource=tracer.provider.resource,
-                attributes=self.attributes,
-                events=tuple(self.events),
-                kind=SpanKind.INTERNAL,
-                status=self.status,
-                start_time=self.start_time,
-                end_time=self.end_time,
-                instrumentation_scope=tracer.scope,
+                self.get_span_context(),
+                self.parent,
+                tracer.resource,
+                self.attributes,
+                self.events,  # no copy: nothing is added once ended, and ReadableSpan.events hands out a tuple
+                (),
+                SpanKind.INTERNAL,
+                None,
+                self.status,
+                self.start_time,
+                self.end_time,
+                tracer.scope,
             )
         )
 
@@ -532,10 +551,15 @@ class OtelExporter:
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
         self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
-        # Decode steps of one batch() block, folded: [rids tuple, latest LedgerUpdate, decodes not yet applied].
-        # Applied to the requests' records before any other event is handled (and at shutdown), so every reader
-        # of those records sees what per-step updates would have left. Valid while the set of open spans is
-        # unchanged since the tuple's requests were all found open (``_open_version``).
+        # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
+        # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
+        # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
+        # first decode is folded too (one pass over the batch per run of equal decodes, at the flush). Applied to
+        # the requests' records before any other event this sink reads is handled (and at shutdown), so every
+        # reader of those records sees what per-step updates would have left; events it does not read (Free,
+        # StepBoundary) leave the fold open.
+        # Valid while the set of open spans is unchanged since the tuple's requests were all found open
+        # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
         self._dec: list | None = None
         self._dec_version = -1
         self._open_version = 0
@@ -670,13 +694,17 @@ class OtelExporter:
                 handlers = self._handlers
                 for e in batch:
                     t = type(e)
-                    if self._dec is not None and not (
-                        (t is ev.LedgerUpdate or t is ev.Alloc) and e.op in DECODE_OPS and e.rids is self._dec[0]
+                    h = handlers.get(t)
+                    if h is None:
+                        continue  # an event we do not read (Free, StepBoundary, ...): no record is read or moved
+                    d = self._dec
+                    if d is not None and not (
+                        (t is ev.LedgerUpdate or t is ev.Alloc)
+                        and e.op in DECODE_OPS
+                        and (e.rids is d[0] or e.rids == d[0])
                     ):
                         self._flush_decode()
-                    h = handlers.get(t)
-                    if h is not None:
-                        h(e, later)
+                    h(e, later)
                 for r, name, attrs in later:
                     self._add_event(r, name, attrs)
                 return True
@@ -685,7 +713,8 @@ class OtelExporter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return False
             finally:
-                self._pending.clear()
+                if self._pending:
+                    self._pending.clear()
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
@@ -718,6 +747,22 @@ class OtelExporter:
             r.dropped += 1
 
     def _end(self, r: _Req, held: int | None = None, peak: int | None = None) -> None:
+        span = r.span
+        if held is not None and peak is not None:  # a release: one dict, built in the order below
+            span.set_attributes(
+                {
+                    "kv.allocated_len": r.allocated,
+                    "kv.committed_len": r.committed,
+                    "kv.swa_evicted_seqlen": r.evicted,
+                    "kv.violations": r.violations,
+                    "kv.decode_steps": r.decode_steps,
+                    "kv.events_dropped": r.dropped,
+                    "kv.pages.peak": peak,
+                    "kv.pages.held_at_release": held,
+                }
+            )
+            span.end()
+            return
         attrs = {
             "kv.allocated_len": r.allocated,
             "kv.committed_len": r.committed,
@@ -730,24 +775,32 @@ class OtelExporter:
             attrs["kv.pages.peak"] = peak
         if held is not None:
             attrs["kv.pages.held_at_release"] = held
-        r.span.set_attributes(attrs)
-        r.span.end()
+        span.set_attributes(attrs)
+        span.end()
 
     # -- event handlers ---------------------------------------------------------------------------------------
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
         op = e.op
         if op in DECODE_OPS:
             d = self._dec
-            if d is not None and d[0] is e.rids and self._dec_version == self._open_version:
-                d[1] = e  # the hot path: the next decode of the same batch is folded (see __init__)
+            rids = e.rids
+            if d is not None and (d[0] is rids or d[0] == rids) and self._dec_version == self._open_version:
+                d[1] = e  # the hot path: the next decode of the same requests is folded (see __init__)
                 d[2] += 1
                 return
             if d is not None:
                 self._flush_decode()
+            if all(map(self._open.__contains__, rids)):
+                # Every request's span is open: this decode starts a fold without touching them; the one pass over
+                # the batch is the flush's, however many equal decodes follow.
+                self._dec = [rids, e, 1]
+                self._dec_version = self._open_version
+                return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         get = self._open.get
         if op in DECODE_OPS:
-            # The first decode of a batch: one pass (opening spans as needed), counted here, not per Alloc event.
+            # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
+            # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
                 r = get(rid)
                 if r is None:
@@ -865,12 +918,16 @@ class OtelExporter:
                 if item[0] is r:
                     self._add_event(r, item[1], item[2])
             later[:] = [item for item in later if item[0] is not r]
-        attrs = {"kv.pages_held": e.pages_held, "kv.pages_peak": e.pages_peak, "kv.step": e.step}
-        self._add_event(r, EV_RELEASE, attrs, reserved=True)
-        self._end(r, held=e.pages_held, peak=e.pages_peak)
+        held, peak = e.pages_held, e.pages_peak
+        if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
+            r.n_events += 1
+            r.span.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
+        else:
+            r.dropped += 1
+        self._end(r, held=held, peak=peak)
         ended = self._ended
         ended[e.rid] = r.span.get_span_context()
-        while len(ended) > _RECENT_ENDED:
+        if len(ended) > _RECENT_ENDED:  # one added at a time: one out
             ended.popitem(last=False)
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:

@@ -1014,3 +1014,96 @@ def test_span_exporter_argument_checks(otel_env):
         OtelExporter(w, span_exporter=InMemorySpanExporter(), tracer_provider=TracerProvider())
     with pytest.raises(TypeError, match="span_exporter"):
         OtelExporter(w, span_exporter=object())
+
+
+def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
+    """The fast path's ReadableSpan, field by field: its context equals what ``SpanContext(...)`` builds (is_valid,
+    the default trace state), no links, INTERNAL, our provider's resource and scope; the processor's settled count
+    (read lock-free by ``admit``) is the exported spans once they are exported."""
+    from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+    from opentelemetry.trace.span import DEFAULT_TRACE_STATE
+
+    from exporters.otel import TRACER_NAME
+
+    mem = InMemorySpanExporter()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=mem)
+    assert exp._fast is not None
+    reqs = [Req("a")]
+    extend(w, reqs, [5])
+    w.free(torch.tensor(reqs[0].row, dtype=torch.int64))
+    w.release_request("a")
+    assert exp.shutdown(timeout_millis=5000)
+    (s,) = mem.get_finished_spans()
+    ctx = s.context
+    assert type(ctx) is SpanContext
+    assert ctx == SpanContext(ctx.trace_id, ctx.span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    assert ctx.is_valid is True and ctx.is_remote is False and ctx.trace_state is DEFAULT_TRACE_STATE
+    assert ctx.trace_flags.sampled and ctx.trace_id != 0 and ctx.span_id != 0
+    assert s.name == "kv.request" and s.parent is None and s.links == () and s.kind is SpanKind.INTERNAL
+    assert s.resource is exp.tracer_provider.resource
+    assert s.instrumentation_scope.name == TRACER_NAME
+    assert s.start_time <= s.end_time
+    assert [e.name for e in s.events] == ["kv.prefill", "kv.release"] and type(s.events) is tuple
+    assert exp._counting.counting.settled() == exp._counting.exported == 1
+
+
+
+def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
+    """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
+    the same object; steps between them: events this sink does not read) are folded into one pending update, the
+    first decode too when every span is open; a decode of a different batch or the frees before a release (ledger
+    updates this sink reads) apply it first.
+    The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
+    the slots of whole pages reserved, page size 4)."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    for _ in range(3):
+        decode(w, [a, b])  # a new list, so a new rids tuple, each time
+        w.step()
+    assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
+    decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
+    assert exp._dec[0] == ("b",) and exp._dec[2] == 1
+    for _ in range(2):
+        decode(w, [a, b])
+        w.step()
+    assert exp._dec[2] == 2
+    w.free(t(a.row))
+    assert exp._dec is None
+    w.release_request("a")
+    w.free(t(b.row))
+    w.release_request("b")
+    spans = request_spans(mem)
+    sa, sb = spans["a"].attributes, spans["b"].attributes
+    assert (sa["kv.decode_steps"], sa["kv.allocated_len"], sa["kv.committed_len"]) == (5, 12, 10)
+    assert (sb["kv.decode_steps"], sb["kv.allocated_len"], sb["kv.committed_len"]) == (6, 16, 13)
+    assert [n for n, _ in events(spans["a"])] == [n for n, _ in events(spans["b"])] == ["kv.prefill", "kv.release"]
+    assert not w.violations
+
+
+def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory):
+    """An exporter attached after a request's prefill first sees it at a decode: that decode opens the span and is
+    applied at once (not folded: no span to fold into yet); the next equal decodes fold into it."""
+    provider, mem = memory
+    w = paged()
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    exp = OtelExporter(w, tracer_provider=provider)
+    decode(w, [a, b])
+    assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
+    decode(w, [a, b])
+    decode(w, [a, b])
+    assert exp._dec[2] == 2
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert (sa.attributes["kv.decode_steps"], sa.attributes["kv.allocated_len"], sa.attributes["kv.committed_len"]) == (
+        3,
+        8,
+        8,
+    )
+    assert [n for n, _ in events(sa)] == ["kv.release"]
+    assert not w.violations
