@@ -12,6 +12,7 @@ the page.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -126,10 +127,28 @@ def start(recording=None, *, port: int = 8501, directory=None, refresh: float | 
 
 
 def launch(recording=None, *, port: int = 8501, directory=None, refresh: float | None = None) -> int:
-    """Run the dashboard in the foreground until interrupted; returns streamlit's exit status."""
+    """Run the dashboard in the foreground until interrupted; returns streamlit's exit status.
+
+    The app runs as a child process and never outlives this one: SIGTERM (a service manager, a test) is forwarded
+    to it, and Ctrl-C (which the terminal sends to both) waits for it to stop, terminating it after 15 s."""
     argv, env = command(recording, port=port, directory=directory, refresh=refresh)
     print(f"dashboard: http://127.0.0.1:{port}  (recordings under {env[ENV_DIR]})", flush=True)
+    proc = subprocess.Popen(argv, env=env)
+    server = Server(proc, port)
     try:
-        return subprocess.call(argv, env=env)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    except ValueError:  # not the main thread: nobody can deliver SIGTERM to this call anyway
+        previous = None
+    try:
+        return proc.wait()
     except KeyboardInterrupt:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            server.stop()
         return 0
+    finally:
+        if proc.poll() is None:  # an exception of ours: the app must not be left behind
+            server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

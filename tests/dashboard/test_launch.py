@@ -117,3 +117,28 @@ def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(t
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still refuses
         s.bind(("127.0.0.1", port))
         s.listen()  # the app is gone: nobody listens on its port any more
+
+
+def test_dashboard_command_stopped_by_sigterm_takes_the_app_with_it(tmp_path):
+    """``instrumented-alloc dashboard`` runs Streamlit as a child: SIGTERM to the command (a service manager, a
+    test's terminate()) stops the app too, and its port is free again; it is never left running, orphaned."""
+    rec = tmp_path / "empty.sqlite"
+    rec.write_bytes(b"")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instrumented_alloc.cli", "dashboard", str(rec), "--port", str(port)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert Server(proc, port).wait_ready(90), "the dashboard did not come up"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]  # streamlit's own status after a clean stop
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still refuses
+        s.bind(("127.0.0.1", port))
+        s.listen()  # the app is gone: nobody listens on its port any more
