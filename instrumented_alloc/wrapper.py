@@ -1946,13 +1946,7 @@ class InstrumentedAllocator:
 
     def _finish(self) -> None:
         """End of a call: hand the events to the sinks, then (raise mode) raise the first violation."""
-        # _deliver, inlined: this runs at the end of every call a sink listens to.
-        if self._w_want_pages:
-            self._flush_deltas()
-        st = self._w_st
-        if st.events:
-            batch, st.events = st.events, []
-            self.bus.deliver(batch)
+        self._deliver()
         if self._w_to_raise:
             first = self._w_to_raise[0]
             self._w_to_raise.clear()
