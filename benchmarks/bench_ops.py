@@ -179,6 +179,10 @@ def rounds_for(op: str, bs: int, quick: bool) -> int:
     """Rounds per timed sample: enough calls that one sample is not a handful of microseconds."""
     if op == "alloc_decode":
         return 128 if quick else 512
+    if op == "alloc_extend":
+        # One extend is one call whatever bs is: a sample of a few calls (a few microseconds each at page size 1)
+        # would be too short for the clock and dominated by per-sample effects.
+        return max(16, 128 // bs) if quick else max(64, 512 // bs)
     return max(2, 128 // bs) if quick else max(4, 512 // bs)
 
 
