@@ -501,6 +501,9 @@ class OtelExporter:
     event_types = frozenset(
         {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
     )
+    # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
+    # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
+    decode_allocs = False
 
     def __init__(
         self,

@@ -420,6 +420,9 @@ class InstrumentedAllocator:
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
         object.__setattr__(self, "_w_want_alloc", self.bus.wants(ev.Alloc))
+        # alloc_decode's Alloc events (and the timing they carry) only for a sink that reads them: a sink may
+        # declare decode_allocs = False (see events.py); implies _w_want_alloc.
+        object.__setattr__(self, "_w_want_decode_alloc", self.bus.wants_decode_allocs())
         object.__setattr__(self, "_w_want_free", self.bus.wants(ev.Free))
         object.__setattr__(self, "_w_want_released", self.bus.wants(ev.RequestReleased))
         object.__setattr__(self, "_w_want_step", self.bus.wants(ev.StepBoundary))
@@ -859,7 +862,7 @@ class InstrumentedAllocator:
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
             before = self._entries_before() if self._w_capture_before else None
-            timed = self.bus.active
+            timed = self._w_want_decode_alloc  # the duration is only read by this call's Alloc events
             t0 = self._w_clock() if timed else 0.0
             try:
                 out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
@@ -874,9 +877,9 @@ class InstrumentedAllocator:
             if self._w_fast_decode and out.shape[0] == bs:
                 n_new = self._decode_fast(out, seq_lens_cpu, slots, bound, bs)
             if n_new is not None:
+                if slots is not None and self._w_want_ledger:
+                    self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                 if timed:
-                    if slots is not None:
-                        self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                     self._emit_alloc(op, bs, int(n_new), dt)
                     if self._w_swa is not None:
                         self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
@@ -894,7 +897,8 @@ class InstrumentedAllocator:
                 self._violate(
                     "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
                 )
-                self._emit_alloc(op, got, n_new, dt)
+                if timed:
+                    self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
             own = -1
@@ -907,7 +911,7 @@ class InstrumentedAllocator:
                     for arr in led.owned.values():
                         arr[openers] += 1
                     led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-                if timed:
+                if self._w_want_ledger:
                     self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
             full, swa_pool = self._w_full, self._w_swa
             pos = seq - 1

@@ -1048,7 +1048,6 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
     assert exp._counting.counting.settled() == exp._counting.exported == 1
 
 
-
 def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
     the same object; steps between them: events this sink does not read) are folded into one pending update, the
@@ -1107,3 +1106,60 @@ def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory):
     )
     assert [n for n, _ in events(sa)] == ["kv.release"]
     assert not w.violations
+
+
+def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_they_are():
+    """The exporter declares ``decode_allocs = False`` (decodes are counted from their LedgerUpdate): alone, the
+    wrapper builds no ``alloc_decode`` Alloc for it; with a sink that reads every event, it receives them and
+    ignores them. The spans are the same either way, attribute for attribute, event for event."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        """Keeps every event; with ``like_otel``, declares what the exporter declares (so builds nothing more)."""
+
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        w = InstrumentedAllocator(
+            SWATokenToKVPoolAllocator(256, 256, PS, torch.float16, "cpu", None, False),
+            mode="record",
+            sliding_window=8,
+            sinks=extra,
+        )
+        exp = OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)  # what the exporter received
+        w.subscribe(seen)
+        _equivalence_scenario(w, exp)
+        exp.shutdown(timeout_millis=5000)
+        spans = _from_sdk(
+            exporter.get_finished_spans(), lambda s: s.resource.attributes.get("service.name"), lambda s: None
+        )
+        provider.shutdown()
+        decode_allocs = [e for e in seen.events if type(e) is ev.Alloc and e.op == "alloc_decode"]
+        return [
+            {k: v for k, v in r.items() if k not in ("trace", "id", "times", "parent")} for r in spans
+        ], decode_allocs
+
+    alone, none_built = run([])
+    with_keeper, built = run([Keep()])
+    assert none_built == [] and len(built) == 6 * 2  # six decodes, two pools each
+    assert alone == with_keeper
+    assert sorted(r["attributes"].get("kv.decode_steps", -1) for r in alone if r["name"] == "kv.request") == [
+        6,
+        6,
+        6,
+        6,
+        6,
+    ]
