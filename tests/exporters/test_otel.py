@@ -1163,3 +1163,48 @@ def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_th
         6,
         6,
     ]
+
+
+def test_fast_path_builds_the_sdks_event_and_readable_span_records():
+    """The fast path fills the SDK's ``Event`` and ``ReadableSpan`` directly (``_plain``) only because that stores
+    what their constructors store; with this SDK it does, and a class whose constructor does anything else (computes,
+    keeps a slot) gets its constructor."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+
+    from exporters import otel
+
+    assert otel._make_event is otel._fill_event and otel._make_readable is otel._fill_readable
+    e, want = otel._make_event("kv.release", {"kv.step": 3}, 11), Event("kv.release", {"kv.step": 3}, 11)
+    assert type(e) is Event and list(vars(e).items()) == list(vars(want).items())
+    assert (e.name, dict(e.attributes), e.timestamp, e.dropped_attributes) == ("kv.release", {"kv.step": 3}, 11, 0)
+    w = paged()
+    exp = OtelExporter(w, span_exporter=InMemorySpanExporter())
+    span = exp._fast.start_span("kv.request", {"kv.request.id": "a"})
+    span.add_event("kv.prefill", {"kv.step": 0})
+    got = []
+    exp._fast.processor.admit = got.append
+    span.end()
+    (s,) = got
+    args = (s.name, s.context, s.parent, s.resource, s.attributes, s._events, s.links, s.kind, None, s.status)
+    ref = ReadableSpan(*args, s.start_time, s.end_time, s.instrumentation_scope)
+    assert type(s) is ReadableSpan and list(vars(s).items()) == list(vars(ref).items())
+    assert s.events[0].name == "kv.prefill" and s.dropped_events == s.dropped_attributes == 0
+    exp.shutdown(timeout_millis=5000)
+
+    class Computes:
+        def __init__(self, x):
+            self.x = x * 2
+
+    def fill(x):
+        c = object.__new__(Computes)
+        c.x = x
+        return c
+
+    class Slotted:
+        __slots__ = ("x",)
+
+        def __init__(self, x):
+            self.x = x
+
+    assert otel._plain(Computes, fill, (3,)) is Computes
+    assert otel._plain(Slotted, lambda x: Slotted(x), (3,)) is Slotted
