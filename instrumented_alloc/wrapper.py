@@ -420,9 +420,11 @@ class InstrumentedAllocator:
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
         object.__setattr__(self, "_w_want_alloc", self.bus.wants(ev.Alloc))
-        # alloc_decode's Alloc events (and the timing they carry) only for a sink that reads them: a sink may
-        # declare decode_allocs = False (see events.py); implies _w_want_alloc.
-        object.__setattr__(self, "_w_want_decode_alloc", self.bus.wants_decode_allocs())
+        # alloc_decode's Alloc events only for a sink that reads them: a sink may declare decode_allocs = False (see
+        # events.py); implies _w_want_alloc. The call is timed for those and for a refusal's AllocFailed.
+        want_decode = self.bus.wants_decode_allocs()
+        object.__setattr__(self, "_w_want_decode_alloc", want_decode)
+        object.__setattr__(self, "_w_time_decode", want_decode or self.bus.wants(ev.AllocFailed))
         object.__setattr__(self, "_w_want_free", self.bus.wants(ev.Free))
         object.__setattr__(self, "_w_want_released", self.bus.wants(ev.RequestReleased))
         object.__setattr__(self, "_w_want_step", self.bus.wants(ev.StepBoundary))
@@ -862,13 +864,14 @@ class InstrumentedAllocator:
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
             before = self._entries_before() if self._w_capture_before else None
-            timed = self._w_want_decode_alloc  # the duration is only read by this call's Alloc events
+            timed = self._w_time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             t0 = self._w_clock() if timed else 0.0
             try:
                 out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             except ArgumentError as exc:
                 self._invalid(op, exc)
             dt = self._w_clock() - t0 if timed else 0.0
+            allocs = self._w_want_decode_alloc  # this call's Alloc events are built
             if before is not None:
                 self._after_merge_check(before)
             if out is None:
@@ -879,7 +882,7 @@ class InstrumentedAllocator:
             if n_new is not None:
                 if slots is not None and self._w_want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
-                if timed:
+                if allocs:
                     self._emit_alloc(op, bs, int(n_new), dt)
                     if self._w_swa is not None:
                         self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
@@ -897,7 +900,7 @@ class InstrumentedAllocator:
                 self._violate(
                     "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
                 )
-                if timed:
+                if allocs:
                     self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
@@ -939,7 +942,7 @@ class InstrumentedAllocator:
                 self._slot_tier(verify, out, self._swa_peer(out))
             else:
                 self._slot_tier(verify, out)
-            if timed:
+            if allocs:
                 self._emit_alloc(op, got, n_new, dt)
                 if swa_pool is not None:
                     self._emit_alloc(op, got, n_new, 0.0, pool="swa")

@@ -745,3 +745,20 @@ def test_decode_allocs_are_built_while_any_sink_reads_them():
     assert not bus.wants_decode_allocs()
     bus.subscribe(Keeper(event_types={ev.Alloc}))
     assert bus.wants_decode_allocs()
+
+
+def test_a_refused_decode_is_timed_for_alloc_failed_without_decode_allocs():
+    """No sink reads decode Allocs, one reads AllocFailed: a refused ``alloc_decode`` is still timed (the clock
+    ticks once per reading: the call's duration is exactly one tick)."""
+    k = NoDecodeAllocs(event_types={ev.AllocFailed, ev.Alloc})
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[k], clock=counting_clock())
+    k.alloc = w
+    a, b = Req("a"), Req("b")
+    with w.batch(["a", "b"]):
+        split_extend([a, b], [32, 32], w.alloc_extend(*extend_args([a, b], [32, 32])))  # every page
+    with w.batch(["a", "b"]):
+        assert w.alloc_decode(*decode_args([a, b])) is None  # both open a page: none is free
+    failed = [e for e in k.events if type(e) is ev.AllocFailed]
+    assert [(e.op, e.requested, e.available, e.duration) for e in failed] == [("alloc_decode", 2, 0, 1.0)]
+    assert not _decode_allocs(k.events)
+    assert [e.seq for e in k.events] == list(range(1, len(k.events) + 1))
