@@ -1,9 +1,9 @@
 """What the wrapper's events cost before any exporter touches them: ``python -m benchmarks.event_floor``.
 
 The engine loop of ``bench_exporters`` (``engine_loop``) with a null sink that declares each exporter's
-``event_types`` (and one with none: every kind), against the same loop with no sink, interleaved; CPU time of the
-process, median ratio of the repeats (a warm-up round first). The floor under each exporter's engine-loop row: what
-the wrapper spends building and delivering the events that exporter reads.
+``event_types`` and ``decode_allocs`` (and one with none: every kind), against the same loop with no sink,
+interleaved; CPU time of the process, median ratio of the repeats (a warm-up round first). The floor under each
+exporter's engine-loop row: what the wrapper spends building and delivering the events that exporter reads.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from benchmarks.bench_exporters import _wrapped, engine_loop
 
 
 class _Null:
-    """A sink that reads nothing; ``event_types`` as given (None: none declared, every kind is built)."""
+    """A sink that reads nothing; ``event_types`` as given (None: none declared, every kind is built) and
+    ``decode_allocs`` as the exporter declares it (see ``instrumented_alloc.events``)."""
 
-    def __init__(self, name: str, types):
+    def __init__(self, name: str, types, decode_allocs: bool = True):
         self.name = name
         if types is not None:
             self.event_types = frozenset(types)
+        self.decode_allocs = decode_allocs
 
     def __call__(self, batch) -> None:
         return None
@@ -34,11 +36,14 @@ def _sets() -> dict:
     from exporters.prometheus import _Sink
     from exporters.recorder import FlightRecorder
 
+    def declared(cls):
+        return cls.event_types, getattr(cls, "decode_allocs", True)
+
     return {
-        "prometheus": _Sink.event_types,
-        "otel": OtelExporter.event_types,
-        "recorder": FlightRecorder.event_types,
-        "all": None,
+        "prometheus": declared(_Sink),
+        "otel": declared(OtelExporter),
+        "recorder": declared(FlightRecorder),
+        "all": (None, True),
     }
 
 
@@ -52,13 +57,13 @@ def main(argv=None) -> dict:
     engine_loop(_wrapped(), iterations=2)  # lazy initialisation
     ratios: dict = {k: [] for k in sets}
     for r in range(args.repeats + 1):
-        for name, types in sets.items():
+        for name, (types, decode_allocs) in sets.items():
             base = _wrapped()
             t0 = time.process_time()
             engine_loop(base, iterations=args.iterations)
             off = time.process_time() - t0
             alloc = _wrapped()
-            alloc.subscribe(_Null(name, types))
+            alloc.subscribe(_Null(name, types, decode_allocs))
             t0 = time.process_time()
             engine_loop(alloc, iterations=args.iterations)
             on = time.process_time() - t0

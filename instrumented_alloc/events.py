@@ -21,6 +21,12 @@ Contract:
   and ``Snapshot``, the costly ones, and ``Alloc``, ``Free``, ``RequestReleased``, ``StepBoundary``). ``seq``
   counts the events built, so it stays gap-free. Sinks still receive every event that was built and ignore the
   rest.
+- A sink that reads ``Alloc`` may also declare ``decode_allocs = False``: it reads no ``Alloc`` of ``alloc_decode``
+  (the engine's per-token call, most of the events in a decode-heavy run; what such a sink needs of a decode is in
+  the call's ``LedgerUpdate``). The wrapper then builds none while no other sink reads them
+  (``EventBus.wants_decode_allocs``); every other ``Alloc`` is built as before, and ``seq`` stays gap-free as
+  above. Absent (or anything but False): the sink reads them. A sink still ignores any it receives because
+  another sink asked for them.
 - An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
   copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
   block, shared by that block's ``LedgerUpdate``s and page deltas). Sinks must not write into them either.
@@ -261,6 +267,7 @@ class EventBus:
         self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
+        self._want_decode_allocs = False
         # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
         # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
         self.on_change: Callable[[], None] | None = None
@@ -286,12 +293,22 @@ class EventBus:
                 break
             wanted.update(types)
         self._wanted = None if wanted is None else frozenset(wanted)
+        self._want_decode_allocs = any(
+            getattr(s, "decode_allocs", True) is not False
+            and (getattr(s, "event_types", None) is None or Alloc in s.event_types)
+            for s in self._sinks
+        )
         if self.on_change is not None:
             self.on_change()
 
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""
         return self.active and (self._wanted is None or cls in self._wanted)
+
+    def wants_decode_allocs(self) -> bool:
+        """Whether some sink reads the ``Alloc`` events of ``alloc_decode`` (one that reads ``Alloc`` and does not
+        declare ``decode_allocs = False``). Implies ``wants(Alloc)``."""
+        return self._want_decode_allocs
 
     def add_loss_counter(self, name: str, counter: Callable[[], int]) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a

@@ -420,6 +420,11 @@ class InstrumentedAllocator:
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
         object.__setattr__(self, "_w_want_alloc", self.bus.wants(ev.Alloc))
+        # alloc_decode's Alloc events only for a sink that reads them: a sink may declare decode_allocs = False (see
+        # events.py); implies _w_want_alloc. The call is timed for those and for a refusal's AllocFailed.
+        want_decode = self.bus.wants_decode_allocs()
+        object.__setattr__(self, "_w_want_decode_alloc", want_decode)
+        object.__setattr__(self, "_w_time_decode", want_decode or self.bus.wants(ev.AllocFailed))
         object.__setattr__(self, "_w_want_free", self.bus.wants(ev.Free))
         object.__setattr__(self, "_w_want_released", self.bus.wants(ev.RequestReleased))
         object.__setattr__(self, "_w_want_step", self.bus.wants(ev.StepBoundary))
@@ -859,13 +864,14 @@ class InstrumentedAllocator:
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
             before = self._entries_before() if self._w_capture_before else None
-            timed = self.bus.active
+            timed = self._w_time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             t0 = self._w_clock() if timed else 0.0
             try:
                 out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             except ArgumentError as exc:
                 self._invalid(op, exc)
             dt = self._w_clock() - t0 if timed else 0.0
+            allocs = self._w_want_decode_alloc  # this call's Alloc events are built
             if before is not None:
                 self._after_merge_check(before)
             if out is None:
@@ -874,9 +880,9 @@ class InstrumentedAllocator:
             if self._w_fast_decode and out.shape[0] == bs:
                 n_new = self._decode_fast(out, seq_lens_cpu, slots, bound, bs)
             if n_new is not None:
-                if timed:
-                    if slots is not None:
-                        self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                if slots is not None and self._w_want_ledger:
+                    self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                if allocs:
                     self._emit_alloc(op, bs, int(n_new), dt)
                     if self._w_swa is not None:
                         self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
@@ -894,7 +900,8 @@ class InstrumentedAllocator:
                 self._violate(
                     "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
                 )
-                self._emit_alloc(op, got, n_new, dt)
+                if allocs:
+                    self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
             own = -1
@@ -907,7 +914,7 @@ class InstrumentedAllocator:
                     for arr in led.owned.values():
                         arr[openers] += 1
                     led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-                if timed:
+                if self._w_want_ledger:
                     self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
             full, swa_pool = self._w_full, self._w_swa
             pos = seq - 1
@@ -935,7 +942,7 @@ class InstrumentedAllocator:
                 self._slot_tier(verify, out, self._swa_peer(out))
             else:
                 self._slot_tier(verify, out)
-            if timed:
+            if allocs:
                 self._emit_alloc(op, got, n_new, dt)
                 if swa_pool is not None:
                     self._emit_alloc(op, got, n_new, 0.0, pool="swa")

@@ -658,3 +658,107 @@ def test_a_sink_subscribed_on_the_bus_directly_gets_every_kind():
     assert kinds == {"LedgerUpdate", "Alloc", "PageUpdate", "Free", "RequestReleased", "StepBoundary"}
     w.bus.unsubscribe(c)
     assert _shadow_deltas(w) == [None]
+
+
+class NoDecodeAllocs(Keeper):
+    """A sink that reads Alloc events but declares it needs none of ``alloc_decode``."""
+
+    decode_allocs = False
+
+
+def _decode_allocs(events) -> list:
+    return [e for e in events if type(e) is ev.Alloc and e.op == "alloc_decode"]
+
+
+def _strip(es, *, skip_decode_allocs=False) -> list:
+    """Events without seq/ts/duration (clock readings), arrays as lists: what two runs of ``_churn`` must agree on."""
+    return [
+        (
+            type(e).__name__,
+            e.step,
+            *[
+                (v.tolist() if isinstance(v, np.ndarray) else v)
+                for k, v in vars(e).items()
+                if k not in ("seq", "ts", "duration")
+            ],
+        )
+        for e in es
+        if not (skip_decode_allocs and type(e) is ev.Alloc and e.op == "alloc_decode")
+    ]
+
+
+@pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
+def test_a_sink_declining_decode_allocs_gets_none_and_everything_else(make):
+    """``decode_allocs = False``: no ``alloc_decode`` Alloc is built for that sink alone (every other event is,
+    the same as for a sink reading everything), and ``seq`` stays gap-free over what was built."""
+    k = NoDecodeAllocs(event_types={ev.Alloc, ev.LedgerUpdate, ev.RequestReleased})
+    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[k])
+    k.alloc = w
+    assert w.bus.wants(ev.Alloc) and not w.bus.wants_decode_allocs()
+    _churn(w)
+    events = k.events
+    assert not _decode_allocs(events)
+    assert {e.op for e in events if type(e) is ev.Alloc} == {"alloc_extend"}
+    assert sum(e.op == "alloc_decode" for e in events if type(e) is ev.LedgerUpdate) == 6 * 3  # every decode's
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+
+    full = Keeper(event_types={ev.Alloc, ev.LedgerUpdate, ev.RequestReleased})
+    w2 = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[full])
+    full.alloc = w2
+    _churn(w2)
+    assert len(_decode_allocs(full.events)) == 6 * 3 * len(w2._w_pools)  # one per pool per decode
+    assert _strip(events) == _strip(full.events, skip_decode_allocs=True)
+
+
+def test_decode_allocs_are_built_while_any_sink_reads_them():
+    """One sink declining them does not take them from another: both receive every decode Alloc (the decliner
+    ignores them); unsubscribing the reader stops them, subscribing one (on the bus directly) brings them back.
+    A sink declining them that reads no Alloc at all changes nothing."""
+    no = NoDecodeAllocs()
+    yes = Keeper(event_types={ev.Alloc})
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[no, yes])
+    no.alloc = yes.alloc = w
+    assert w.bus.wants_decode_allocs()
+    a, b = _scenario(w)  # one decode
+
+    def dec():
+        with w.batch(["a", "b"]):
+            out = w.alloc_decode(*decode_args([a, b]))
+        for r, s in zip((a, b), out.tolist()):
+            r.row.append(s)
+
+    dec()
+    assert len(_decode_allocs(no.events)) == len(_decode_allocs(yes.events)) == 2
+    w.unsubscribe(yes)
+    assert not w.bus.wants_decode_allocs() and w.bus.wants(ev.Alloc)
+    dec()
+    assert len(_decode_allocs(no.events)) == 2
+    assert sum(e.op == "alloc_decode" for e in no.events if type(e) is ev.LedgerUpdate) == 3
+    w.bus.subscribe(yes)
+    assert w.bus.wants_decode_allocs()
+    dec()
+    assert len(_decode_allocs(no.events)) == len(_decode_allocs(yes.events)) == 3
+    assert [e.seq for e in no.events] == list(range(1, len(no.events) + 1))
+    assert not w.violations
+    only_types = NoDecodeAllocs(event_types={ev.StepBoundary})
+    bus = EventBus([only_types])
+    assert not bus.wants_decode_allocs()
+    bus.subscribe(Keeper(event_types={ev.Alloc}))
+    assert bus.wants_decode_allocs()
+
+
+def test_a_refused_decode_is_timed_for_alloc_failed_without_decode_allocs():
+    """No sink reads decode Allocs, one reads AllocFailed: a refused ``alloc_decode`` is still timed (the clock
+    ticks once per reading: the call's duration is exactly one tick)."""
+    k = NoDecodeAllocs(event_types={ev.AllocFailed, ev.Alloc})
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[k], clock=counting_clock())
+    k.alloc = w
+    a, b = Req("a"), Req("b")
+    with w.batch(["a", "b"]):
+        split_extend([a, b], [32, 32], w.alloc_extend(*extend_args([a, b], [32, 32])))  # every page
+    with w.batch(["a", "b"]):
+        assert w.alloc_decode(*decode_args([a, b])) is None  # both open a page: none is free
+    failed = [e for e in k.events if type(e) is ev.AllocFailed]
+    assert [(e.op, e.requested, e.available, e.duration) for e in failed] == [("alloc_decode", 2, 0, 1.0)]
+    assert not _decode_allocs(k.events)
+    assert [e.seq for e in k.events] == list(range(1, len(k.events) + 1))

@@ -1048,7 +1048,6 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
     assert exp._counting.counting.settled() == exp._counting.exported == 1
 
 
-
 def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
     the same object; steps between them: events this sink does not read) are folded into one pending update, the
@@ -1107,3 +1106,105 @@ def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory):
     )
     assert [n for n, _ in events(sa)] == ["kv.release"]
     assert not w.violations
+
+
+def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_they_are():
+    """The exporter declares ``decode_allocs = False`` (decodes are counted from their LedgerUpdate): alone, the
+    wrapper builds no ``alloc_decode`` Alloc for it; with a sink that reads every event, it receives them and
+    ignores them. The spans are the same either way, attribute for attribute, event for event."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        """Keeps every event; with ``like_otel``, declares what the exporter declares (so builds nothing more)."""
+
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        w = InstrumentedAllocator(
+            SWATokenToKVPoolAllocator(256, 256, PS, torch.float16, "cpu", None, False),
+            mode="record",
+            sliding_window=8,
+            sinks=extra,
+        )
+        exp = OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)  # what the exporter received
+        w.subscribe(seen)
+        _equivalence_scenario(w, exp)
+        exp.shutdown(timeout_millis=5000)
+        spans = _from_sdk(
+            exporter.get_finished_spans(), lambda s: s.resource.attributes.get("service.name"), lambda s: None
+        )
+        provider.shutdown()
+        decode_allocs = [e for e in seen.events if type(e) is ev.Alloc and e.op == "alloc_decode"]
+        return [
+            {k: v for k, v in r.items() if k not in ("trace", "id", "times", "parent")} for r in spans
+        ], decode_allocs
+
+    alone, none_built = run([])
+    with_keeper, built = run([Keep()])
+    assert none_built == [] and len(built) == 6 * 2  # six decodes, two pools each
+    assert alone == with_keeper
+    assert sorted(r["attributes"].get("kv.decode_steps", -1) for r in alone if r["name"] == "kv.request") == [
+        6,
+        6,
+        6,
+        6,
+        6,
+    ]
+
+
+def test_fast_path_builds_the_sdks_event_and_readable_span_records():
+    """The fast path fills the SDK's ``Event`` and ``ReadableSpan`` directly (``_plain``) only because that stores
+    what their constructors store; with this SDK it does, and a class whose constructor does anything else (computes,
+    keeps a slot) gets its constructor."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+
+    from exporters import otel
+
+    assert otel._make_event is otel._fill_event and otel._make_readable is otel._fill_readable
+    e, want = otel._make_event("kv.release", {"kv.step": 3}, 11), Event("kv.release", {"kv.step": 3}, 11)
+    assert type(e) is Event and list(vars(e).items()) == list(vars(want).items())
+    assert (e.name, dict(e.attributes), e.timestamp, e.dropped_attributes) == ("kv.release", {"kv.step": 3}, 11, 0)
+    w = paged()
+    exp = OtelExporter(w, span_exporter=InMemorySpanExporter())
+    span = exp._fast.start_span("kv.request", {"kv.request.id": "a"})
+    span.add_event("kv.prefill", {"kv.step": 0})
+    got = []
+    exp._fast.processor.admit = got.append
+    span.end()
+    (s,) = got
+    args = (s.name, s.context, s.parent, s.resource, s.attributes, s._events, s.links, s.kind, None, s.status)
+    ref = ReadableSpan(*args, s.start_time, s.end_time, s.instrumentation_scope)
+    assert type(s) is ReadableSpan and list(vars(s).items()) == list(vars(ref).items())
+    assert s.events[0].name == "kv.prefill" and s.dropped_events == s.dropped_attributes == 0
+    exp.shutdown(timeout_millis=5000)
+
+    class Computes:
+        def __init__(self, x):
+            self.x = x * 2
+
+    def fill(x):
+        c = object.__new__(Computes)
+        c.x = x
+        return c
+
+    class Slotted:
+        __slots__ = ("x",)
+
+        def __init__(self, x):
+            self.x = x
+
+    assert otel._plain(Computes, fill, (3,)) is Computes
+    assert otel._plain(Slotted, lambda x: Slotted(x), (3,)) is Slotted
