@@ -117,6 +117,34 @@ class _CallState:
         self.op = ""  # the op whose page updates are being published
 
 
+class _DecodeRun:
+    """What the decode fast path knows after a decode in which every request of the batch opened a page (a batch
+    in step: the same length, or a single request), so that the next ``ps - 1`` decodes of the same requests can
+    be verified by two comparisons instead of reading the pages again.
+
+    Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
+    recorded): ``pages`` (read-only) are the batch's pages, ``owner[pages]`` reads ``own``, and every slot of the
+    last verified call sat at offset ``ps - 1 - left`` of its page. A call whose slots are exactly ``o_next``
+    (the last ones + 1) and whose lengths are exactly ``seq_next`` (the last ones + 1), with ``left > 0``, then
+    passes every check of the general path: each slot continues its request's own page at its position's
+    offset, and no request opens a page. Any change of the pages' owners (a free, an allocation, clear, resize)
+    or of the ledger (a checked write, a release) invalidates it; a call that does not match exactly takes the
+    full check."""
+
+    __slots__ = ("ledger_version", "left", "o_next", "own", "pages", "seq_next", "shadow", "slots_b", "version")
+
+    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_next, seq_next, left: int):
+        self.shadow = shadow
+        self.version = shadow.version
+        self.ledger_version = ledger_version
+        self.slots_b = slots_b  # the slots' bytes (None: an unattributed batch)
+        self.own = own
+        self.pages = pages
+        self.o_next = o_next  # private int64 arrays, advanced in place by each matching call
+        self.seq_next = seq_next
+        self.left = left
+
+
 class _Pool:
     """One pool's allocator object and the shadow of its pages."""
 
@@ -329,6 +357,7 @@ class InstrumentedAllocator:
         # two linked by the mapping).
         s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
+        s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
@@ -1012,6 +1041,28 @@ class InstrumentedAllocator:
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
+        run = self._w_run
+        if (
+            run is not None
+            and run.left
+            and o.tobytes() == run.o_next.tobytes()
+            and seq.tobytes() == run.seq_next.tobytes()
+            and run.shadow is self._w_full.shadow
+            and run.version == run.shadow.version
+            and run.ledger_version == self.ledger.version
+            and run.slots_b == (None if slots is None else slots.tobytes())
+        ):
+            # Every slot is the last verified one + 1 in a page it owns, no request opens a page (_DecodeRun):
+            # apply what the general path applies to such a call.
+            run.left -= 1
+            _ADD(run.o_next, one, out=run.o_next)
+            _ADD(run.seq_next, one, out=run.seq_next)
+            if slots is not None:
+                self.ledger.committed[slots] = seq
+            shadow = run.shadow
+            if shadow.deltas is not None:
+                shadow.note(run.pages, run.own, private=slots is not None)
+            return 0
         at = seq - one  # the position each new slot holds
         at &= mask  # its offset in its page; 0: the request opens a page
         if (o & smask).tobytes() != at.tobytes():
@@ -1081,6 +1132,20 @@ class InstrumentedAllocator:
             led.allocated[openers] = (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
+        if n_new == bs and swa is None:
+            # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
+            # additions here, where the call opened a page for every request; nothing on other calls.
+            pages.flags.writeable = False  # shared by the run and this call's page delta
+            self._w_run = _DecodeRun(
+                shadow,
+                self.ledger.version,
+                None if slots is None else slots.tobytes(),
+                own,
+                pages,
+                o + one,
+                seq + one,
+                int(mask[0]),
+            )
         return n_new
 
     # -- free ops ---------------------------------------------------------------------------------------------
