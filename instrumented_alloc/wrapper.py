@@ -131,9 +131,20 @@ class _DecodeRun:
     or of the ledger (a checked write, a release) invalidates it; a call that does not match exactly takes the
     full check."""
 
-    __slots__ = ("ledger_version", "left", "o_next", "own", "pages", "seq_next", "shadow", "slots_b", "version")
+    __slots__ = (
+        "ledger_version",
+        "left",
+        "o_next",
+        "one",
+        "own",
+        "pages",
+        "seq_next",
+        "shadow",
+        "slots_b",
+        "version",
+    )
 
-    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_next, seq_next, left: int):
+    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_next, seq_next, one, left: int):
         self.shadow = shadow
         self.version = shadow.version
         self.ledger_version = ledger_version
@@ -142,6 +153,7 @@ class _DecodeRun:
         self.pages = pages
         self.o_next = o_next  # private int64 arrays, advanced in place by each matching call
         self.seq_next = seq_next
+        self.one = one  # ones of the batch's size (the step)
         self.left = left
 
 
@@ -901,7 +913,35 @@ class InstrumentedAllocator:
                 return self._alloc_none(op, bs, before, dt)
             n_new = None
             if self._w_fast_decode and out.shape[0] == bs:
-                n_new = self._decode_fast(out, seq_lens_cpu, slots, bound, bs)
+                o = out.numpy()
+                seq = seq_lens_cpu.numpy()
+                run = self._w_run
+                if (
+                    run is not None
+                    and run.left
+                    and o.tobytes() == run.o_next.tobytes()
+                    and seq.tobytes() == run.seq_next.tobytes()
+                    and o.dtype is _I64
+                    and seq.dtype is _I64
+                    and run.shadow is self._w_full.shadow
+                    and run.version == run.shadow.version
+                    and run.ledger_version == self.ledger.version
+                    and run.slots_b == (None if slots is None else slots.tobytes())
+                ):
+                    # Inline (a method call costs a tenth of what is left here): every slot is the last verified
+                    # one + 1 in a page its request owns, no request opens a page (see _DecodeRun). Apply what
+                    # the full check applies to such a call.
+                    run.left -= 1
+                    one = run.one
+                    _ADD(run.o_next, one, out=run.o_next)
+                    _ADD(run.seq_next, one, out=run.seq_next)
+                    if slots is not None:
+                        self.ledger.committed[slots] = seq
+                    if run.shadow.deltas is not None:
+                        run.shadow.note(run.pages, run.own, private=slots is not None)
+                    n_new = 0
+                else:
+                    n_new = self._decode_fast(o, seq, slots, bound, bs)
             if n_new is not None:
                 if timed:
                     if slots is not None:
@@ -912,65 +952,71 @@ class InstrumentedAllocator:
                 if self._w_st.events or self._w_to_raise:
                     self._finish()
                 return out
-            ps = self._w_ps
-            seq = seq_lens_cpu.numpy()
-            # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
-            shift = self._w_shift
-            new_mask = (seq & (ps - 1) if shift is not None else seq % ps) == 1
-            n_new = int(np.count_nonzero(new_mask))
-            got = out.shape[0]
-            if got != bs:
-                self._violate(
-                    "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
-                )
-                self._emit_alloc(op, got, n_new, dt)
-                self._finish()
-                return out
-            own = -1
-            if slots is not None:
-                own = slots
-                led = self.ledger
-                led.committed[slots] = seq
-                if n_new:
-                    openers = slots[new_mask]
-                    for arr in led.owned.values():
-                        arr[openers] += 1
-                    led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-                if timed:
-                    self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
-            full, swa_pool = self._w_full, self._w_swa
-            pos = seq - 1
+            return self._decode_checked(op, out, seq_lens_cpu, bs, slots, timed, dt)
 
-            def check(o, pool, name):
-                # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
-                if shift is not None:
-                    misaligned = np.count_nonzero((o - pos) & (ps - 1))
-                    pages = o >> shift
-                else:
-                    misaligned = np.count_nonzero((o - pos) % ps)
-                    pages = o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, name)
-                bad = pool.shadow.on_alloc(pages, own, new_mask, n_new, op)
-                if bad:
-                    self._report(bad, name, op)
-
-            def verify(o, s=None):
-                check(o, full, "full")
-                if s is not None:
-                    check(s, swa_pool, "swa")
-
-            if swa_pool is not None:
-                self._slot_tier(verify, out, self._swa_peer(out))
-            else:
-                self._slot_tier(verify, out)
-            if timed:
-                self._emit_alloc(op, got, n_new, dt)
-                if swa_pool is not None:
-                    self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-            if self._w_st.events or self._w_to_raise:
-                self._finish()
+    def _decode_checked(self, op: str, out, seq_lens_cpu, bs: int, slots, timed: bool, dt: float):
+        """``alloc_decode``'s general path (under the lock, after the inner call): every check, with the faults
+        named. A method of its own: its closures would otherwise make a cell of each variable they read on every
+        decode, the fast ones included."""
+        ps = self._w_ps
+        seq = seq_lens_cpu.numpy()
+        # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
+        shift = self._w_shift
+        new_mask = (seq & (ps - 1) if shift is not None else seq % ps) == 1
+        n_new = int(np.count_nonzero(new_mask))
+        got = out.shape[0]
+        if got != bs:
+            self._violate(
+                "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
+            )
+            self._emit_alloc(op, got, n_new, dt)
+            self._finish()
             return out
+        own = -1
+        if slots is not None:
+            own = slots
+            led = self.ledger
+            led.committed[slots] = seq
+            if n_new:
+                openers = slots[new_mask]
+                for arr in led.owned.values():
+                    arr[openers] += 1
+                led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
+            if timed:
+                self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
+        full, swa_pool = self._w_full, self._w_swa
+        pos = seq - 1
+
+        def check(o, pool, name):
+            # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
+            if shift is not None:
+                misaligned = np.count_nonzero((o - pos) & (ps - 1))
+                pages = o >> shift
+            else:
+                misaligned = np.count_nonzero((o - pos) % ps)
+                pages = o // ps
+            if misaligned:
+                self._misaligned(o, pos, own, op, name)
+            bad = pool.shadow.on_alloc(pages, own, new_mask, n_new, op)
+            if bad:
+                self._report(bad, name, op)
+
+        def verify(o, s=None):
+            check(o, full, "full")
+            if s is not None:
+                check(s, swa_pool, "swa")
+
+        if swa_pool is not None:
+            self._slot_tier(verify, out, self._swa_peer(out))
+        else:
+            self._slot_tier(verify, out)
+        if timed:
+            self._emit_alloc(op, got, n_new, dt)
+            if swa_pool is not None:
+                self._emit_alloc(op, got, n_new, 0.0, pool="swa")
+        if self._w_st.events or self._w_to_raise:
+            self._finish()
+        return out
 
     def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
@@ -1027,7 +1073,7 @@ class InstrumentedAllocator:
             self._w_consts[bs] = c
         return c
 
-    def _decode_fast(self, out, seq_lens_cpu, slots, bound, bs: int):
+    def _decode_fast(self, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
         """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
         passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
         position's offset in its page; a request that opens a page got one that was free, every other continues in
@@ -1036,33 +1082,9 @@ class InstrumentedAllocator:
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size."""
-        o = out.numpy()
-        seq = seq_lens_cpu.numpy()
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
-        run = self._w_run
-        if (
-            run is not None
-            and run.left
-            and o.tobytes() == run.o_next.tobytes()
-            and seq.tobytes() == run.seq_next.tobytes()
-            and run.shadow is self._w_full.shadow
-            and run.version == run.shadow.version
-            and run.ledger_version == self.ledger.version
-            and run.slots_b == (None if slots is None else slots.tobytes())
-        ):
-            # Every slot is the last verified one + 1 in a page it owns, no request opens a page (_DecodeRun):
-            # apply what the general path applies to such a call.
-            run.left -= 1
-            _ADD(run.o_next, one, out=run.o_next)
-            _ADD(run.seq_next, one, out=run.seq_next)
-            if slots is not None:
-                self.ledger.committed[slots] = seq
-            shadow = run.shadow
-            if shadow.deltas is not None:
-                shadow.note(run.pages, run.own, private=slots is not None)
-            return 0
         at = seq - one  # the position each new slot holds
         at &= mask  # its offset in its page; 0: the request opens a page
         if (o & smask).tobytes() != at.tobytes():
@@ -1144,6 +1166,7 @@ class InstrumentedAllocator:
                 pages,
                 o + one,
                 seq + one,
+                one,
                 int(mask[0]),
             )
         return n_new
