@@ -123,13 +123,14 @@ class _DecodeRun:
     be verified by two comparisons instead of reading the pages again.
 
     Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
-    recorded): ``pages`` (read-only) are the batch's pages, ``owner[pages]`` reads ``own``, and every slot of the
-    last verified call sat at offset ``ps - 1 - left`` of its page. A call whose slots are exactly ``o_next``
-    (the last ones + 1) and whose lengths are exactly ``seq_next`` (the last ones + 1), with ``left > 0``, then
-    passes every check of the general path: each slot continues its request's own page at its position's
-    offset, and no request opens a page. Any change of the pages' owners (a free, an allocation, clear, resize)
-    or of the ledger (a checked write, a release) invalidates it; a call that does not match exactly takes the
-    full check."""
+    recorded): ``pages`` (never written: shared with page deltas) are the batch's pages, ``owner[pages]`` reads
+    ``own``, and every slot of the last verified call sat at offset ``ps - 1 - left`` of its page. A call whose
+    slots are exactly ``o_next`` (the last ones + 1) and whose lengths are exactly ``seq_next`` (the last ones
+    + 1), with ``left > 0``, then passes every check of the general path: each slot continues its request's own
+    page at its position's offset, and no request opens a page. Any change of the pages' owners (a free, an
+    allocation, clear, resize) or of the ledger (a checked write, a release) invalidates it; a call that does
+    not match exactly takes the full check. SWA allocators keep no run (their peers are read from a mapping
+    the inner may change)."""
 
     __slots__ = (
         "ledger_version",
@@ -1130,12 +1131,16 @@ class InstrumentedAllocator:
             if swa is not None and swa_shadow.deltas is not None and bs:
                 swa_shadow.note(swa_pages, own, private=private)
             return 0
-        opens = at == zero
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
-        expect = own.copy()
-        expect[opens] = FREE
-        expect_b = expect.tobytes()
+        if n_new == bs:
+            opens = None  # every request opens a page (a batch in step, a single request): no masks
+            expect_b = free.tobytes()
+        else:
+            opens = at == zero
+            expect = own.copy()
+            expect[opens] = FREE
+            expect_b = expect.tobytes()
         if np.maximum(prev, free).tobytes() != expect_b or (
             swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
         ):
@@ -1147,27 +1152,31 @@ class InstrumentedAllocator:
         if slots is not None:
             led = self.ledger
             led.committed[slots] = seq
-            openers = slots[opens]
+            openers = slots if opens is None else slots[opens]
             for arr in led.owned.values():
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
-            led.allocated[openers] = (seq + mask)[opens]
+            led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
-        if n_new == bs and swa is None:
+        if opens is None and swa is None:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
-            # additions here, where the call opened a page for every request; nothing on other calls.
-            pages.flags.writeable = False  # shared by the run and this call's page delta
-            self._w_run = _DecodeRun(
-                shadow,
-                self.ledger.version,
-                None if slots is None else slots.tobytes(),
-                own,
-                pages,
-                o + one,
-                seq + one,
-                one,
-                int(mask[0]),
+            # additions here, where the call opened a page for every request; nothing on other calls. pages:
+            # computed here, never written again (the run's and this call's page delta share it).
+            object.__setattr__(  # not through the forwarding __setattr__ (a Python call)
+                self,
+                "_w_run",
+                _DecodeRun(
+                    shadow,
+                    self.ledger.version,
+                    None if slots is None else slots.tobytes(),
+                    own,
+                    pages,
+                    o + one,
+                    seq + one,
+                    one,
+                    self._w_ps - 1,
+                ),
             )
         return n_new
 
