@@ -124,38 +124,29 @@ class _DecodeRun:
 
     Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
     recorded): ``pages`` (never written: shared with page deltas) are the batch's pages, ``owner[pages]`` reads
-    ``own``, and every slot of the last verified call sat at offset ``ps - 1 - left`` of its page. A call whose
-    slots are exactly ``o_next`` (the last ones + 1) and whose lengths are exactly ``seq_next`` (the last ones
-    + 1), with ``left > 0``, then passes every check of the general path: each slot continues its request's own
-    page at its position's offset, and no request opens a page. Any change of the pages' owners (a free, an
-    allocation, clear, resize) or of the ledger (a checked write, a release) invalidates it; a call that does
-    not match exactly takes the full check. SWA allocators keep no run (their peers are read from a mapping
-    the inner may change)."""
+    ``own``, and the opening call's slots and lengths sat at offset 0 of those pages. The k-th decode verified
+    after it (k < ps) whose slots are exactly the opening ones + k and whose lengths are exactly the opening
+    ones + k (row k - 1 of ``o_rows`` and ``seq_rows``) then passes every check of the general path: each slot
+    continues its request's own page at its position's offset, and no request opens a page. Any change of the
+    pages' owners (a free, an allocation, clear, resize) or of the ledger (a checked write, a release)
+    invalidates it; a call that does not match exactly takes the full check. SWA allocators keep no run (their
+    peers are read from a mapping the inner may change)."""
 
-    __slots__ = (
-        "ledger_version",
-        "left",
-        "o_next",
-        "one",
-        "own",
-        "pages",
-        "seq_next",
-        "shadow",
-        "slots_b",
-        "version",
-    )
+    __slots__ = ("end", "ledger_version", "o_rows", "own", "pages", "row", "seq_rows", "shadow", "slots_b", "version")
 
-    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_next, seq_next, one, left: int):
+    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_rows: bytes, seq_rows: bytes, row: int):
         self.shadow = shadow
         self.version = shadow.version
         self.ledger_version = ledger_version
         self.slots_b = slots_b  # the slots' bytes (None: an unattributed batch)
         self.own = own
         self.pages = pages
-        self.o_next = o_next  # private int64 arrays, advanced in place by each matching call
-        self.seq_next = seq_next
-        self.one = one  # ones of the batch's size (the step)
-        self.left = left
+        # The expected arguments of the next ps - 1 decodes, one row of ``row`` bytes each: a matching call costs
+        # two slices and two compares (memcmp), no array operation.
+        self.o_rows = o_rows
+        self.seq_rows = seq_rows
+        self.row = row
+        self.end = row  # where the next call's row ends (past the rows: the run is spent)
 
 
 class _Pool:
@@ -371,6 +362,7 @@ class InstrumentedAllocator:
         s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
         s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
+        s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
@@ -919,9 +911,8 @@ class InstrumentedAllocator:
                 run = self._w_run
                 if (
                     run is not None
-                    and run.left
-                    and o.tobytes() == run.o_next.tobytes()
-                    and seq.tobytes() == run.seq_next.tobytes()
+                    and o.tobytes() == run.o_rows[run.end - run.row : run.end]
+                    and seq.tobytes() == run.seq_rows[run.end - run.row : run.end]
                     and o.dtype is _I64
                     and seq.dtype is _I64
                     and run.shadow is self._w_full.shadow
@@ -932,10 +923,7 @@ class InstrumentedAllocator:
                     # Inline (a method call costs a tenth of what is left here): every slot is the last verified
                     # one + 1 in a page its request owns, no request opens a page (see _DecodeRun). Apply what
                     # the full check applies to such a call.
-                    run.left -= 1
-                    one = run.one
-                    _ADD(run.o_next, one, out=run.o_next)
-                    _ADD(run.seq_next, one, out=run.seq_next)
+                    run.end += run.row  # past the rows' end: an empty slice, which no call's bytes match
                     if slots is not None:
                         self.ledger.committed[slots] = seq
                     if run.shadow.deltas is not None:
@@ -1161,8 +1149,9 @@ class InstrumentedAllocator:
         shadow.expected_entries -= n_new
         if opens is None and swa is None:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
-            # additions here, where the call opened a page for every request; nothing on other calls. pages:
-            # computed here, never written again (the run's and this call's page delta share it).
+            # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
+            # nothing on other calls. pages: computed here, never written again (shared with the page delta).
+            steps = self._w_steps
             object.__setattr__(  # not through the forwarding __setattr__ (a Python call)
                 self,
                 "_w_run",
@@ -1172,10 +1161,9 @@ class InstrumentedAllocator:
                     None if slots is None else slots.tobytes(),
                     own,
                     pages,
-                    o + one,
-                    seq + one,
-                    one,
-                    self._w_ps - 1,
+                    (o + steps).tobytes(),
+                    (seq + steps).tobytes(),
+                    o.nbytes,
                 ),
             )
         return n_new

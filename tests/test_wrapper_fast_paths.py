@@ -285,8 +285,9 @@ def test_guard_entry_is_not_a_page():
 
 
 def _run_left(w):
+    """How many more decodes the run can verify."""
     run = w._w_run
-    return None if run is None else run.left
+    return None if run is None else (len(run.o_rows) - run.end) // run.row + 1
 
 
 def test_decode_run_is_used_on_a_batch_in_step():
