@@ -337,3 +337,43 @@ def test_decode_run_is_per_pool_shadow():
     run = w._w_run
     assert run.shadow is w._w_full.shadow
     assert run.pages.tolist() == [slot // PS for slot in (r.row[-1] for r in reqs)]
+
+
+def _random_engine(seed: int, verify: str = "immediate"):
+    """A seeded engine: batches in step (so that runs start), with frees, new requests, ledger writes and injected
+    faults (an in-use page listed as free) between decodes."""
+    rng = np.random.default_rng(seed)
+    w = InstrumentedAllocator(
+        PagedTokenToKVPoolAllocator(1024, PS, torch.float16, "cpu", None, False), mode="record", verify=verify
+    )
+    live = [Req(f"r{i}") for i in range(4)]
+    _extend(w, live, [PS] * len(live))
+    n = len(live)
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.06 and live:
+            victim = live.pop(int(rng.integers(len(live))))
+            w.free(t(victim.row))
+            w.release_request(victim.rid)
+        elif roll < 0.12:
+            new = [Req(f"r{n}")]
+            n += 1
+            _extend(w, new, [live[0].seq if live else PS])
+            live += new
+        elif roll < 0.16 and live:
+            r = live[int(rng.integers(len(live)))]
+            w.ledger[r.rid].kv_committed_len = r.seq  # a checked write of the value it has
+        elif roll < 0.19 and live:
+            r = live[int(rng.integers(len(live)))]
+            w.inner.free_pages = torch.cat([t([r.row[-1] // PS]), w.inner.free_pages])  # fault: listed twice
+        if live:
+            _decode(w, live)
+        w.step()
+    return w
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_run_reports_as_the_full_check_on_a_random_engine(seed, monkeypatch):
+    with_runs = _outcome(_random_engine(seed))
+    monkeypatch.setattr(wrapper, "_DecodeRun", lambda *args: None)
+    assert _outcome(_random_engine(seed)) == with_runs
