@@ -9,6 +9,8 @@ Contract:
 - The checks at a write are the catalog's ledger rules (``invariants.py``): page alignment of the allocated and
   evicted lengths, committed <= allocated, evicted <= allocated, evicted monotonic while the request holds KV,
   nothing inside the sliding window evicted (``seq_len`` is the committed length).
+- ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
+  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``).
 - Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
 """
@@ -94,6 +96,7 @@ class KvLedger:
         # Slots whose ledger or pages changed other than by the wrapper's own (consistent by construction)
         # allocation updates: what a step boundary compares against the pages.
         self.dirty: set[int] = set()
+        self.version = 0
         self._live_cache: np.ndarray | None = None
         self._rid_to_slot: dict = {}
         self._slot_rid: list = []
@@ -186,6 +189,7 @@ class KvLedger:
     def release(self, rid, *, leaked: bool) -> int:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
         slot = self._rid_to_slot.pop(rid)
+        self.version += 1
         self.live[slot] = False
         self.generation[slot] += 1
         self._live_cache = None
@@ -202,6 +206,7 @@ class KvLedger:
 
     def reset(self, slot: int) -> None:
         """The request holds no KV any more (all its pages were freed: finished or retracted)."""
+        self.version += 1
         self.allocated[slot] = self.committed[slot] = self.evicted[slot] = 0
 
     # -- mapping protocol ---------------------------------------------------------------------------------------
@@ -285,6 +290,7 @@ class KvLedger:
 
     def write(self, slot: int, field: str, value) -> bool:
         """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value."""
+        self.version += 1  # stored or not: whoever caches a fact about the ledger looks again
         if type(value) is not int:  # a plain int is the usual value: no ABC isinstance check for it
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 exc = ArgumentTypeError(field, f"expected an int, got {type(value).__name__}")

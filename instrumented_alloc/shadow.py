@@ -11,6 +11,9 @@ Contract:
   shadow then mirrors what the inner allocator actually did, so one fault is reported once, under one id.
 - ``expected_entries`` is the number of entries the inner allocator's free list plus staged list should hold;
   it can exceed the number of free pages after a double free (the inner then lists a page twice).
+- ``version`` counts the changes of ``owner`` (every write goes through ``_set`` or ``clear``): equal versions
+  mean an unchanged ``owner``, which is what lets the wrapper skip re-reading pages it verified (see
+  ``wrapper._DecodeRun``). Any new writer of ``owner`` must go through ``_set`` or bump it.
 - Not thread-safe by itself (the wrapper serialises).
 """
 
@@ -123,6 +126,7 @@ class PoolShadow:
         # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
         # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
         self.deltas: list | None = None
+        self.version = 0
         self.clear()
 
     def _set(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
@@ -131,6 +135,7 @@ class PoolShadow:
         (int64) nor ``codes`` (int32, same shape) again: a fresh array no one else holds, or a read-only one that
         owns its memory)."""
         self.owner[pages] = codes
+        self.version += 1
         if self.deltas is not None and pages.size:
             self.note(pages, codes, private=private)
 
@@ -155,6 +160,7 @@ class PoolShadow:
         return out or []
 
     def clear(self) -> None:
+        self.version += 1
         self.owner.fill(PRISTINE)
         self.owner[0] = RESERVED
         self.last_owner.fill(-1)

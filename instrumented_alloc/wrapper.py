@@ -117,6 +117,38 @@ class _CallState:
         self.op = ""  # the op whose page updates are being published
 
 
+class _DecodeRun:
+    """What the decode fast path knows after a decode in which every request of the batch opened a page (a batch
+    in step: the same length, or a single request), so that the next ``ps - 1`` decodes of the same requests can
+    be verified by two comparisons instead of reading the pages again.
+
+    Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
+    recorded): ``pages`` (never written: shared with page deltas) are the batch's pages, ``owner[pages]`` reads
+    ``own``, and the opening call's slots and lengths sat at offset 0 of those pages. The k-th decode verified
+    after it (k < ps) whose slots are exactly the opening ones + k and whose lengths are exactly the opening
+    ones + k (row k - 1 of ``o_rows`` and ``seq_rows``) then passes every check of the general path: each slot
+    continues its request's own page at its position's offset, and no request opens a page. Any change of the
+    pages' owners (a free, an allocation, clear, resize) or of the ledger (a checked write, a release)
+    invalidates it; a call that does not match exactly takes the full check. SWA allocators keep no run (their
+    peers are read from a mapping the inner may change)."""
+
+    __slots__ = ("end", "ledger_version", "o_rows", "own", "pages", "row", "seq_rows", "shadow", "slots_b", "version")
+
+    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_rows: bytes, seq_rows: bytes, row: int):
+        self.shadow = shadow
+        self.version = shadow.version
+        self.ledger_version = ledger_version
+        self.slots_b = slots_b  # the slots' bytes (None: an unattributed batch)
+        self.own = own
+        self.pages = pages
+        # The expected arguments of the next ps - 1 decodes, one row of ``row`` bytes each: a matching call costs
+        # two slices and two compares (memcmp), no array operation.
+        self.o_rows = o_rows
+        self.seq_rows = seq_rows
+        self.row = row
+        self.end = row  # where the next call's row ends (past the rows: the run is spent)
+
+
 class _Pool:
     """One pool's allocator object and the shadow of its pages."""
 
@@ -329,6 +361,8 @@ class InstrumentedAllocator:
         # two linked by the mapping).
         s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
+        s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
+        s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
@@ -878,7 +912,31 @@ class InstrumentedAllocator:
                 return self._alloc_none(op, bs, before, dt)
             n_new = None
             if self._w_fast_decode and out.shape[0] == bs:
-                n_new = self._decode_fast(out, seq_lens_cpu, slots, bound, bs)
+                o = out.numpy()
+                seq = seq_lens_cpu.numpy()
+                run = self._w_run
+                if (
+                    run is not None
+                    and o.tobytes() == run.o_rows[run.end - run.row : run.end]
+                    and seq.tobytes() == run.seq_rows[run.end - run.row : run.end]
+                    and o.dtype is _I64
+                    and seq.dtype is _I64
+                    and run.shadow is self._w_full.shadow
+                    and run.version == run.shadow.version
+                    and run.ledger_version == self.ledger.version
+                    and run.slots_b == (None if slots is None else slots.tobytes())
+                ):
+                    # Inline (a method call costs a tenth of what is left here): every slot is the last verified
+                    # one + 1 in a page its request owns, no request opens a page (see _DecodeRun). Apply what
+                    # the full check applies to such a call.
+                    run.end += run.row  # past the rows' end: an empty slice, which no call's bytes match
+                    if slots is not None:
+                        self.ledger.committed[slots] = seq
+                    if run.shadow.deltas is not None:
+                        run.shadow.note(run.pages, run.own, private=slots is not None)
+                    n_new = 0
+                else:
+                    n_new = self._decode_fast(o, seq, slots, bound, bs)
             if n_new is not None:
                 if slots is not None and self._w_want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
@@ -889,66 +947,72 @@ class InstrumentedAllocator:
                 if self._w_st.events or self._w_to_raise:
                     self._finish()
                 return out
-            ps = self._w_ps
-            seq = seq_lens_cpu.numpy()
-            # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
-            shift = self._w_shift
-            new_mask = (seq & (ps - 1) if shift is not None else seq % ps) == 1
-            n_new = int(np.count_nonzero(new_mask))
-            got = out.shape[0]
-            if got != bs:
-                self._violate(
-                    "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
-                )
-                if allocs:
-                    self._emit_alloc(op, got, n_new, dt)
-                self._finish()
-                return out
-            own = -1
-            if slots is not None:
-                own = slots
-                led = self.ledger
-                led.committed[slots] = seq
-                if n_new:
-                    openers = slots[new_mask]
-                    for arr in led.owned.values():
-                        arr[openers] += 1
-                    led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-                if self._w_want_ledger:
-                    self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
-            full, swa_pool = self._w_full, self._w_swa
-            pos = seq - 1
+            return self._decode_checked(op, out, seq_lens_cpu, bs, slots, allocs, dt)
 
-            def check(o, pool, name):
-                # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
-                if shift is not None:
-                    misaligned = np.count_nonzero((o - pos) & (ps - 1))
-                    pages = o >> shift
-                else:
-                    misaligned = np.count_nonzero((o - pos) % ps)
-                    pages = o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, name)
-                bad = pool.shadow.on_alloc(pages, own, new_mask, n_new, op)
-                if bad:
-                    self._report(bad, name, op)
-
-            def verify(o, s=None):
-                check(o, full, "full")
-                if s is not None:
-                    check(s, swa_pool, "swa")
-
-            if swa_pool is not None:
-                self._slot_tier(verify, out, self._swa_peer(out))
-            else:
-                self._slot_tier(verify, out)
+    def _decode_checked(self, op: str, out, seq_lens_cpu, bs: int, slots, allocs: bool, dt: float):
+        """``alloc_decode``'s general path (under the lock, after the inner call): every check, with the faults
+        named. A method of its own: its closures would otherwise make a cell of each variable they read on every
+        decode, the fast ones included."""
+        ps = self._w_ps
+        seq = seq_lens_cpu.numpy()
+        # SGLang's rule for a page-opening decode (never true at page size 1, where it decodes in place).
+        shift = self._w_shift
+        new_mask = (seq & (ps - 1) if shift is not None else seq % ps) == 1
+        n_new = int(np.count_nonzero(new_mask))
+        got = out.shape[0]
+        if got != bs:
+            self._violate(
+                "alloc_length_mismatch", f"{op} returned {got} slots for a batch of {bs}", op=op, pool="full"
+            )
             if allocs:
                 self._emit_alloc(op, got, n_new, dt)
-                if swa_pool is not None:
-                    self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-            if self._w_st.events or self._w_to_raise:
-                self._finish()
+            self._finish()
             return out
+        own = -1
+        if slots is not None:
+            own = slots
+            led = self.ledger
+            led.committed[slots] = seq
+            if n_new:
+                openers = slots[new_mask]
+                for arr in led.owned.values():
+                    arr[openers] += 1
+                led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
+            if self._w_want_ledger:
+                self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
+        full, swa_pool = self._w_full, self._w_swa
+        pos = seq - 1
+
+        def check(o, pool, name):
+            # Page sizes are powers of two in practice: bit operations are 2-3x cheaper than % and //.
+            if shift is not None:
+                misaligned = np.count_nonzero((o - pos) & (ps - 1))
+                pages = o >> shift
+            else:
+                misaligned = np.count_nonzero((o - pos) % ps)
+                pages = o // ps
+            if misaligned:
+                self._misaligned(o, pos, own, op, name)
+            bad = pool.shadow.on_alloc(pages, own, new_mask, n_new, op)
+            if bad:
+                self._report(bad, name, op)
+
+        def verify(o, s=None):
+            check(o, full, "full")
+            if s is not None:
+                check(s, swa_pool, "swa")
+
+        if swa_pool is not None:
+            self._slot_tier(verify, out, self._swa_peer(out))
+        else:
+            self._slot_tier(verify, out)
+        if allocs:
+            self._emit_alloc(op, got, n_new, dt)
+            if swa_pool is not None:
+                self._emit_alloc(op, got, n_new, 0.0, pool="swa")
+        if self._w_st.events or self._w_to_raise:
+            self._finish()
+        return out
 
     def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
@@ -1005,7 +1069,7 @@ class InstrumentedAllocator:
             self._w_consts[bs] = c
         return c
 
-    def _decode_fast(self, out, seq_lens_cpu, slots, bound, bs: int):
+    def _decode_fast(self, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
         """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
         passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
         position's offset in its page; a request that opens a page got one that was free, every other continues in
@@ -1014,8 +1078,6 @@ class InstrumentedAllocator:
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size."""
-        o = out.numpy()
-        seq = seq_lens_cpu.numpy()
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
@@ -1064,12 +1126,16 @@ class InstrumentedAllocator:
             if swa is not None and swa_shadow.deltas is not None and bs:
                 swa_shadow.note(swa_pages, own, private=private)
             return 0
-        opens = at == zero
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
-        expect = own.copy()
-        expect[opens] = FREE
-        expect_b = expect.tobytes()
+        if n_new == bs:
+            opens = None  # every request opens a page (a batch in step, a single request): no masks
+            expect_b = free.tobytes()
+        else:
+            opens = at == zero
+            expect = own.copy()
+            expect[opens] = FREE
+            expect_b = expect.tobytes()
         if np.maximum(prev, free).tobytes() != expect_b or (
             swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
         ):
@@ -1081,13 +1147,32 @@ class InstrumentedAllocator:
         if slots is not None:
             led = self.ledger
             led.committed[slots] = seq
-            openers = slots[opens]
+            openers = slots if opens is None else slots[opens]
             for arr in led.owned.values():
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
-            led.allocated[openers] = (seq + mask)[opens]
+            led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
+        if opens is None and swa is None:
+            # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
+            # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
+            # nothing on other calls. pages: computed here, never written again (shared with the page delta).
+            steps = self._w_steps
+            object.__setattr__(  # not through the forwarding __setattr__ (a Python call)
+                self,
+                "_w_run",
+                _DecodeRun(
+                    shadow,
+                    self.ledger.version,
+                    None if slots is None else slots.tobytes(),
+                    own,
+                    pages,
+                    (o + steps).tobytes(),
+                    (seq + steps).tobytes(),
+                    o.nbytes,
+                ),
+            )
         return n_new
 
     # -- free ops ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc import InstrumentedAllocator, wrapper
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
 
@@ -131,6 +131,77 @@ def swa_free_in_group(verify):
     return w
 
 
+# The decode run (wrapper._DecodeRun): after a decode in which every request opened a page, the next PS - 1
+# decodes of the same requests are verified against the run. Anything that changes the pages' owners or the
+# ledger in between must send the next decode through the full check.
+def paged_decode_run_clean(verify):
+    w, reqs = _start(paged, verify)  # every request opens a page at the next decode
+    for _ in range(3 * PS):
+        _decode(w, reqs)
+        w.step()
+    return w
+
+
+def paged_decode_run_free_between(verify):
+    w, reqs = _start(paged, verify)
+    _decode(w, reqs)  # all open a page: a run starts
+    _decode(w, reqs)
+    w.free(t(reqs[1].row))  # r1's pages go back to the free list (the engine forgets r1 is still decoding)
+    _decode(w, reqs)  # slots and lengths exactly as the run expects: r1 continues in a page that is free now
+    return w
+
+
+def paged_decode_run_stolen_between(verify):
+    w, reqs = _start(paged, verify)
+    _decode(w, reqs)
+    inner = w.inner
+    inner.free_pages = torch.cat([t([reqs[1].row[-1] // PS]), inner.free_pages])  # r1's current page, listed
+    _extend(w, [Req("x")], [PS])  # another request takes it over (reported once, the page changes owner)
+    _decode(w, reqs)  # r1 continues in a page that is now x's
+    return w
+
+
+def paged_decode_run_ledger_write_between(verify):
+    w, reqs = _start(paged, verify)
+    _decode(w, reqs)
+    w.ledger["r0"].kv_allocated_len = 3 * PS  # accepted, but no longer what r0's pages say
+    _decode(w, reqs)
+    w.step()
+    return w
+
+
+def paged_decode_run_lengths_skip(verify):
+    w, reqs = _start(paged, verify)
+    _decode(w, reqs)
+    seq, _, last = decode_args(reqs)
+    with w.batch([r.rid for r in reqs]):
+        w.alloc_decode(seq + 1, seq + 1, last)  # slots as the run expects, lengths one too far: misaligned
+    return w
+
+
+def paged_decode_run_repeated(verify):
+    w, reqs = _start(paged, verify)
+    _decode(w, reqs)
+    args = decode_args(reqs)
+    for _ in range(2):  # the same decode twice: the second repeats the first's slots
+        with w.batch([r.rid for r in reqs]):
+            w.alloc_decode(*args)
+    w.step()
+    return w
+
+
+def paged_decode_run_unbound(verify):
+    w = InstrumentedAllocator(paged(), mode="record", verify=verify)
+    reqs = [Req(f"r{i}") for i in range(3)]
+    split_extend(reqs, [PS] * 3, w.alloc_extend(*extend_args(reqs, [PS] * 3)))  # no batch(): unattributed
+    for _ in range(2 * PS):
+        out = w.alloc_decode(*decode_args(reqs))
+        for r, slot in zip(reqs, out.tolist()):
+            r.row.append(slot)
+        w.step()
+    return w
+
+
 SCENARIOS = [
     swa_decode_page_in_use,
     swa_decode_peer_misaligned,
@@ -143,6 +214,12 @@ SCENARIOS = [
     segment_repeat,
     swa_segment_twice,
     swa_free_in_group,
+    paged_decode_run_clean,
+    paged_decode_run_stolen_between,
+    paged_decode_run_ledger_write_between,
+    paged_decode_run_lengths_skip,
+    paged_decode_run_repeated,
+    paged_decode_run_unbound,
 ]
 
 
@@ -157,7 +234,36 @@ def _outcome(w):
     shadows = {n: (s.owner.tolist(), p.shadow.expected_entries) for (n, s), p in zip(snap.items(), w._w_pools.values())}
     return found, rows, owned, shadows
 
-CLEAN = {swa_decode_clean, paged_free_two_owners}  # no fault: the fast paths' own bookkeeping is compared
+CLEAN = {
+    swa_decode_clean,
+    paged_free_two_owners,
+    paged_decode_run_clean,
+    paged_decode_run_repeated,
+    paged_decode_run_unbound,
+}  # no fault: the fast paths' own bookkeeping is compared
+
+
+# Against the immediate path without runs. paged_decode_run_free_between is not compared with verify="deferred":
+# there the decode's ledger write (host tier, at the call) lands before the free's ledger update (slot tier,
+# deferred to the step), in the opposite order from immediate verification, with or without runs.
+RUN_SCENARIOS = [
+    paged_decode_run_clean,
+    paged_decode_run_free_between,
+    paged_decode_run_stolen_between,
+    paged_decode_run_ledger_write_between,
+    paged_decode_run_lengths_skip,
+    paged_decode_run_repeated,
+    paged_decode_run_unbound,
+]
+
+
+@pytest.mark.parametrize("scenario", RUN_SCENARIOS, ids=lambda f: f.__name__)
+def test_decode_run_reports_as_the_full_check(scenario, monkeypatch):
+    with_runs = _outcome(scenario("immediate"))
+    monkeypatch.setattr(wrapper, "_DecodeRun", lambda *args: None)  # no run is ever kept: every decode in full
+    without = _outcome(scenario("immediate"))
+    assert with_runs == without
+    assert bool(with_runs[0]) == (scenario not in CLEAN)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -176,3 +282,98 @@ def test_guard_entry_is_not_a_page():
     shadow = w._w_full.shadow
     assert shadow.owner.size == shadow.num_pages + 1
     assert np.shares_memory(shadow.owner, shadow._owner_ext)
+
+
+def _run_left(w):
+    """How many more decodes the run can verify."""
+    run = w._w_run
+    return None if run is None else (len(run.o_rows) - run.end) // run.row + 1
+
+
+def test_decode_run_is_used_on_a_batch_in_step():
+    w, reqs = _start(paged, "immediate")
+    _decode(w, reqs)
+    assert _run_left(w) == PS - 1  # every request opened a page
+    for left in range(PS - 2, -1, -1):
+        _decode(w, reqs)  # a new batch() each time: the same slots
+        assert _run_left(w) == left
+    _decode(w, reqs)  # the run is spent: every request opens a page again, a new run starts
+    assert _run_left(w) == PS - 1
+    assert not w.violations
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        lambda w, reqs, other: w.free(t(other.row)),
+        lambda w, reqs, other: w.ledger.__getitem__(other.rid).__setattr__("kv_committed_len", other.seq),
+        lambda w, reqs, other: w.ledger.__getitem__(reqs[0].rid).__setattr__("kv_allocated_len", 99),  # rejected
+        lambda w, reqs, other: _extend(w, [Req("x")], [1]),
+        lambda w, reqs, other: w.clear(),  # then the decode continues pages that are free: reported
+    ],
+    ids=["free", "ledger_write", "rejected_ledger_write", "alloc", "clear"],
+)
+def test_decode_run_is_dropped_by_any_change_between_decodes(between, request):
+    w, reqs = _start(paged, "immediate")
+    batch, other = reqs[:2], reqs[2]
+    _decode(w, batch)
+    _decode(w, batch)
+    left = _run_left(w)
+    assert left == PS - 2
+    between(w, batch, other)
+    n = len(w.violations)
+    with w.batch([r.rid for r in batch]):
+        w.alloc_decode(*decode_args(batch))  # exactly what the run expects, but it no longer vouches for it
+    assert _run_left(w) == left  # the full check ran
+    if request.node.callspec.id != "clear":
+        assert len(w.violations) == n  # and found nothing: the batch's pages are untouched
+    else:
+        assert len(w.violations) == n + 1
+
+
+def test_decode_run_is_per_pool_shadow():
+    w, reqs = _start(paged, "immediate")
+    _decode(w, reqs)
+    run = w._w_run
+    assert run.shadow is w._w_full.shadow
+    assert run.pages.tolist() == [slot // PS for slot in (r.row[-1] for r in reqs)]
+
+
+def _random_engine(seed: int, verify: str = "immediate"):
+    """A seeded engine: batches in step (so that runs start), with frees, new requests, ledger writes and injected
+    faults (an in-use page listed as free) between decodes."""
+    rng = np.random.default_rng(seed)
+    w = InstrumentedAllocator(
+        PagedTokenToKVPoolAllocator(1024, PS, torch.float16, "cpu", None, False), mode="record", verify=verify
+    )
+    live = [Req(f"r{i}") for i in range(4)]
+    _extend(w, live, [PS] * len(live))
+    n = len(live)
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.06 and live:
+            victim = live.pop(int(rng.integers(len(live))))
+            w.free(t(victim.row))
+            w.release_request(victim.rid)
+        elif roll < 0.12:
+            new = [Req(f"r{n}")]
+            n += 1
+            _extend(w, new, [live[0].seq if live else PS])
+            live += new
+        elif roll < 0.16 and live:
+            r = live[int(rng.integers(len(live)))]
+            w.ledger[r.rid].kv_committed_len = r.seq  # a checked write of the value it has
+        elif roll < 0.19 and live:
+            r = live[int(rng.integers(len(live)))]
+            w.inner.free_pages = torch.cat([t([r.row[-1] // PS]), w.inner.free_pages])  # fault: listed twice
+        if live:
+            _decode(w, live)
+        w.step()
+    return w
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_run_reports_as_the_full_check_on_a_random_engine(seed, monkeypatch):
+    with_runs = _outcome(_random_engine(seed))
+    monkeypatch.setattr(wrapper, "_DecodeRun", lambda *args: None)
+    assert _outcome(_random_engine(seed)) == with_runs
