@@ -10,7 +10,11 @@ What is timed, per operation (``bs`` is the number of requests in the step):
   (attribution is part of the wrapper's price). Page size 1 uses SGLang's token allocator, whose extend is
   ``alloc(n)`` (bound with per-request ``lens``).
 - ``alloc_decode``: one decode of the whole batch plus, for the wrapper, the ``step()`` boundary that follows it
-  (where deferred checks and count conservation run). Page size 1: ``alloc(bs)``.
+  (where deferred checks and count conservation run). Page size 1: ``alloc(bs)``. Every request of the batch has
+  the same length, so at page size 16 the whole batch opens a page together every 16th decode (a lockstep batch,
+  which the wrapper's decode runs serve: see ``_DecodeRun``). ``alloc_decode_mixed`` (page size 16, batch 256 only):
+  the same with request ``i``'s prompt ``i % 16`` tokens longer, so that a sixteenth of the batch opens a page at
+  every decode, as in a real engine's batch.
 - ``free`` / ``free_segment``: ``bs`` per-request calls (one finished request each, as an engine's release path
   does).
 - ``free_swa_segment`` (SWA allocator): ``bs`` per-request evictions of the first two pages' SWA KV, each
@@ -90,6 +94,17 @@ class _Case:
             bs, prompt
         )
 
+    def extend_mixed(self, rids, prompt: int) -> torch.Tensor:
+        """The last slot of each of ``len(rids)`` new requests, request ``i`` of ``prompt + i % ps`` tokens."""
+        bs = len(rids)
+        zero = torch.zeros(bs, dtype=I64)
+        seq = prompt + torch.arange(bs, dtype=I64) % self.ps
+        with self.bind(rids):
+            out = self.alloc.alloc_extend(
+                zero, zero, seq, seq.clone(), torch.full((bs,), -1, dtype=I64), int(seq.sum())
+            )
+        return out[torch.cumsum(seq, 0) - 1].clone(), seq
+
     def extend_bound(self, rids, prompt: int) -> torch.Tensor:
         with self.bind(rids, lens=[prompt] * len(rids) if self.ps == 1 else None):
             return self.extend(rids, prompt)
@@ -107,11 +122,23 @@ def run(op: str, ps: int, bs: int, mode: str | None, verify: str, rounds: int, c
     """Seconds (of ``clock``) spent in the timed calls of ``rounds`` rounds of ``bs`` requests (see the module
     docstring); mode None: the bare allocator."""
     prompt = _prompt(ps)
-    n_req = bs if op == "alloc_decode" else bs * rounds
-    c = _Case(op, ps, bs, n_req * (prompt + 4 * ps + (rounds if op == "alloc_decode" else 0)) + 4 * ps, mode, verify)
+    decode = op in ("alloc_decode", "alloc_decode_mixed")
+    n_req = bs if decode else bs * rounds
+    c = _Case(op, ps, bs, n_req * (prompt + 5 * ps + (rounds if decode else 0)) + 4 * ps, mode, verify)
     a = c.alloc
     wrapped = c.wrapped
-    if op == "alloc_decode":
+    if op == "alloc_decode_mixed":
+        rids = c.rids(bs)
+        last, seq0 = c.extend_mixed(rids, prompt)
+        seqs = [seq0 + (i + 1) for i in range(rounds)]
+        with c.bind(rids):
+            t0 = clock()
+            for s in seqs:
+                last = a.alloc_decode(s, s, last)
+                if wrapped:
+                    a.step()
+            spent = clock() - t0
+    elif op == "alloc_decode":
         rids = c.rids(bs)
         rows = c.extend_bound(rids, prompt)
         last = rows[:, -1].clone()
@@ -177,7 +204,7 @@ def run(op: str, ps: int, bs: int, mode: str | None, verify: str, rounds: int, c
 
 def rounds_for(op: str, bs: int, quick: bool) -> int:
     """Rounds per timed sample: enough calls that one sample is not a handful of microseconds."""
-    if op == "alloc_decode":
+    if op in ("alloc_decode", "alloc_decode_mixed"):
         return 128 if quick else 512
     if op == "alloc_extend":
         # One extend is one call whatever bs is: a sample of a few calls (a few microseconds each at page size 1)
@@ -218,4 +245,9 @@ def rows(
                         target = "<= 1.25"
                     name = f"{op} bs={bs} ps={ps} {mode if mode == 'off' else verify} wrapped/bare"
                     out.append((name, rs, target))
+            if op == "alloc_decode" and 16 in page_sizes and 256 in batches:
+                # The target row again, on a batch whose requests open their pages at different decodes.
+                rs = measure("alloc_decode_mixed", 16, 256, "record", "immediate", repeats=repeats, quick=quick,
+                             clock=clock)
+                out.append(("alloc_decode bs=256 ps=16 immediate, mixed lengths wrapped/bare", rs, "<= 1.25"))
     return out
