@@ -95,13 +95,15 @@ from instrumented_alloc.replay import EventsLost, ReplayState
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
-FORMAT_VERSION = 3  # 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64
+# 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64; 4: a block spans
+# several steps (each event's step in its row), one ``segments`` row per step of a block for the queries.
+FORMAT_VERSION = 4
 SINK_NAME = "recorder"
 
 _COMMIT_ROWS = 5000  # events written since the last commit that force one
 _COMPRESS_OVER = 4096  # block bodies larger than this many bytes are deflated
 _PACK_COMPRESS_OVER = 512  # snapshot ledger documents larger than this many bytes are zlib-compressed
-_BLOCK_EVENTS = 512  # events of one block at most
+_BLOCK_EVENTS = 512  # events of one block at most (a block is also closed before every commit)
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
@@ -109,12 +111,16 @@ _POLL = 0.05  # seconds between the writer's looks at the queue when nothing wok
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE blocks (
-    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
-    kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, payload BLOB NOT NULL
+    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, last_step INTEGER NOT NULL,
+    n INTEGER NOT NULL, kinds INTEGER NOT NULL, payload BLOB NOT NULL
 );
-CREATE INDEX blocks_step ON blocks (step, n);
-CREATE INDEX blocks_boundary ON blocks (step, boundary, available) WHERE boundary IS NOT NULL;
-CREATE INDEX blocks_kinds ON blocks (kinds, step, counts);
+CREATE TABLE segments (
+    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
+    kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, block INTEGER NOT NULL
+);
+CREATE INDEX segments_step ON segments (step, block);
+CREATE INDEX segments_boundary ON segments (step, boundary, available) WHERE boundary IS NOT NULL;
+CREATE INDEX segments_kinds ON segments (kinds, step, counts);
 CREATE TABLE kindsets (kinds INTEGER PRIMARY KEY);
 CREATE TABLE rids (block INTEGER NOT NULL, rid NOT NULL, step INTEGER NOT NULL);
 CREATE INDEX rids_rid ON rids (rid, step);
@@ -129,10 +135,11 @@ CREATE TABLE snapshots (
 );
 CREATE INDEX snapshots_step ON snapshots (step);
 """
-_TABLES = frozenset({"meta", "blocks", "kindsets", "rids", "violations", "snapshots"})
-# The indexes answer the readers' aggregates without reading the blocks' payloads: blocks_step (step, n) the step
-# ranges and event_count, blocks_boundary the step boundaries (state_at, steps, step_series), blocks_kinds with
-# kindsets (every ``kinds`` bit set a block has) event_counts and events(kinds=...) by seeks, not scans.
+_TABLES = frozenset({"meta", "blocks", "segments", "kindsets", "rids", "violations", "snapshots"})
+# The segments' indexes answer the readers' aggregates without reading the blocks' payloads: segments_step
+# (step, block) the step ranges and the blocks holding a step range (events), segments_boundary the step boundaries
+# (state_at, steps, step_series), segments_kinds with kindsets (every ``kinds`` bit set a segment has) event_counts
+# by seeks, not scans. Blocks are found by seq (their primary key).
 # Event kinds that change the replayed state (replay.py); blocks without any are skipped by state_at's query.
 _STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
 _RESERVED_META = frozenset(
@@ -290,23 +297,25 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores one event class: ``get`` reads (seq, *fields in dataclass order) from an instance
-    dict (the timestamp is read apart); the row positions (2 + field index) of the fields that may hold arrays
-    (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple and of a ``violation``."""
+    """How the writer stores one event class: ``get`` reads (seq, step, *fields in dataclass order) from an
+    instance dict (the timestamp is read apart); the row positions (3 + field index) of the fields that may hold
+    arrays (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple, of a
+    ``violation`` and of ``available``."""
 
-    __slots__ = ("arrays", "boundary", "code", "floats", "get", "rid", "rids", "violation")
+    __slots__ = ("arrays", "available", "boundary", "code", "floats", "get", "rid", "rids", "violation")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
         names = [f.name for f in fields]
-        self.get = operator.itemgetter("seq", *names) if names else (lambda d: (d["seq"],))
-        self.arrays = tuple(2 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
-        self.floats = tuple(2 + i for i, f in enumerate(fields) if f.type in ("float", float))
-        self.rid = 2 + names.index("rid") if "rid" in names else None
-        self.rids = 2 + names.index("rids") if "rids" in names else None
-        self.violation = 2 + names.index("violation") if "violation" in names else None
+        self.get = operator.itemgetter("seq", "step", *names)
+        self.arrays = tuple(3 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
+        self.floats = tuple(3 + i for i, f in enumerate(fields) if f.type in ("float", float))
+        self.rid = 3 + names.index("rid") if "rid" in names else None
+        self.rids = 3 + names.index("rids") if "rids" in names else None
+        self.violation = 3 + names.index("violation") if "violation" in names else None
         self.boundary = cls is ev.StepBoundary
+        self.available = 3 + names.index("available") if self.boundary else None
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -320,20 +329,23 @@ def _plan(cls: type) -> _Plan:
 
 
 class _BlockWriter:
-    """The events of one block as they are added (writer thread), then its row (``row()``).
+    """The events of one block as they are added (writer thread), then its row (``row()``) and its segments.
 
-    A block holds consecutive events of ONE step (``step``), at most one ``StepBoundary`` (``boundary``: its seq,
-    ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
-    (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
+    A block holds consecutive events (of one or more steps; its ``step``: the first event's) and at most
+    ``_BLOCK_EVENTS`` events. Its events are cut into segments: the consecutive events of one step in the block,
+    with at most one ``StepBoundary`` (its seq and ``available``, as JSON); each segment is a row of the
+    ``segments`` table (``segments``, filled by ``row()``), which the queries read instead of the payloads.
+    Its payload: b"D" + raw deflate of the body (level 1, ending in a full flush) when that pays (bodies over
+    ``_COMPRESS_OVER`` bytes), else b"B" + body;
     body = u32 header length + header JSON + the events' timestamps as little-endian float64 (one per event, in
     order; absent when the header has ``t``) + the values of the events' float fields stored out of line
     (little-endian float64, ``f`` of them, in event and field order) + the little-endian bytes of every array of
     the block, concatenated.
-    Header: ``e``: one ``[code, seq - the block's first seq, *fields]`` per event (fields in dataclass order;
-    an array or a float field's float as null, a ``rids`` tuple as its index in ``r``), followed, when some
-    fields are out of line, by the bit mask of those fields (a field annotated ``float``: the next float; else the
-    next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON; ``f`` (only when not 0):
-    the count of out-of-line floats;
+    Header: ``e``: one ``[code, seq - the block's first seq, step - the block's step, *fields]`` per event (fields
+    in dataclass order; an array or a float field's float as null, a ``rids`` tuple as its index in ``r``),
+    followed, when some fields are out of line, by the bit mask of those fields (a field annotated ``float``: the
+    next float; else the next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON;
+    ``f`` (only when not 0): the count of out-of-line floats;
     ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
@@ -342,20 +354,23 @@ class _BlockWriter:
     writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
     __slots__ = (
-        "arrays", "available", "boundary", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows", "step",
-        "ts",
+        "arrays", "available", "boundary", "cur", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows",
+        "seg_start", "segments", "step", "ts",
     )  # fmt: skip
 
     def __init__(self, step: int, first: int, rid_cache: dict | None):
         self.step = step
         self.first = first
-        self.boundary = None
+        self.cur = step  # the step of the open segment
+        self.seg_start = 0  # the open segment's first event (index in rows)
+        self.boundary = None  # the open segment's step boundary: its seq, and its available as JSON
         self.available = None
+        self.segments: list = []  # closed segments: (first row, end row, step, boundary, available), then rows
         self.rows: list = []
         self.ts: list = []
         self.floats: list = []  # the float fields stored out of the JSON, in event order
         self.arrays: list = []
-        self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
+        self.rids: set = set()  # (request id, step) the block's events are stored under (the rids table)
         self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
         self.rjson: list = []
         self.rid_cache = rid_cache
@@ -364,11 +379,24 @@ class _BlockWriter:
     def n(self) -> int:
         return len(self.rows)
 
+    def _cut(self) -> None:
+        """Close the open segment (when it has events)."""
+        end = len(self.rows)
+        if end > self.seg_start:
+            self.segments.append((self.seg_start, end, self.cur, self.boundary, self.available))
+        self.seg_start = end
+        self.boundary = self.available = None
+
     def add(self, cls: type, d: Mapping) -> None:
-        """Add one event given as its class and instance dict (its step must be ``self.step``)."""
+        """Add one event given as its class and instance dict (steps never decrease within a block)."""
         p = _PLANS.get(cls) or _plan(cls)
         row = [p.code, *p.get(d)]
+        step = row[2]
+        if step != self.cur or (p.boundary and self.boundary is not None):
+            self._cut()
+            self.cur = step
         row[1] -= self.first
+        row[2] = step - self.step
         self.ts.append(d["ts"])
         mask = 0
         for i in p.arrays:
@@ -376,13 +404,13 @@ class _BlockWriter:
             if isinstance(v, np.ndarray):
                 self.arrays.append(v)
                 row[i] = None
-                mask |= 1 << (i - 2)
+                mask |= 1 << (i - 3)
         for i in p.floats:
             v = row[i]
             if type(v) is float:
                 self.floats.append(v)
                 row[i] = None
-                mask |= 1 << (i - 2)
+                mask |= 1 << (i - 3)
         rid = None
         i = p.rid
         if i is not None:
@@ -413,15 +441,16 @@ class _BlockWriter:
             row.append(mask)
         self.rows.append(row)
         if rid is not None:
-            self.rids.add(rid)
+            self.rids.add((rid, step))
         if p.boundary:
             self.boundary = d["seq"]
-            av = d["available"]
+            i = p.available
+            av = row[i]
             if type(av) is dict and any(type(v) is not int for v in av.values()):
                 # numpy integers as ints once, here (as JSON would read them back), so that both encodings of
                 # the dict (in the row and in the column) stay in the C encoder, not its Python default hook.
                 av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
-                row[2] = av
+                row[i] = av
             self.available = _json(av)
 
     def _rids_json(self, rids: tuple) -> str:
@@ -441,7 +470,8 @@ class _BlockWriter:
         return out
 
     def row(self, deflate=None) -> tuple:
-        """(seq, last, step, n, kinds, counts, boundary, available, payload) of the ``blocks`` table.
+        """(seq, last, step, last_step, n, kinds, payload) of the ``blocks`` table; ``segments`` then holds the
+        block's rows of the ``segments`` table, (seq, last, step, n, kinds, counts, boundary, available, block).
         ``deflate``: the writer's raw deflate compressor (``_deflater()``), reused from block to block (a new one
         costs more than compressing a block): every block ends with a full flush, so each decompresses alone."""
         rows = self.rows
@@ -499,18 +529,28 @@ class _BlockWriter:
             z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
             if len(z) < len(body):
                 payload = b"D" + z
-        codes = tuple([r[0] for r in rows])
-        hit = _COUNTS.get(codes)  # a decode step repeats the same kinds in the same order, block after block
-        if hit is None:
-            counts = collections.Counter(codes)
-            kinds = 0
-            for code in counts:
-                kinds |= 1 << code
-            if len(_COUNTS) >= 1024:
-                _COUNTS.clear()
-            hit = _COUNTS[codes] = (kinds, _json(counts))
-        last = self.first + rows[-1][1]
-        return (self.first, last, self.step, len(rows), hit[0], hit[1], self.boundary, self.available, payload)
+        self._cut()
+        first = self.first
+        kinds = 0
+        segments = []
+        for a, b, step, boundary, available in self.segments:
+            codes = tuple([r[0] for r in rows[a:b]])
+            hit = _COUNTS.get(codes)  # a decode step repeats the same kinds in the same order, step after step
+            if hit is None:
+                counts = collections.Counter(codes)
+                k = 0
+                for code in counts:
+                    k |= 1 << code
+                if len(_COUNTS) >= 1024:
+                    _COUNTS.clear()
+                hit = _COUNTS[codes] = (k, _json(counts))
+            kinds |= hit[0]
+            segments.append(
+                (first + rows[a][1], first + rows[b - 1][1], step, b - a, hit[0], hit[1], boundary, available, first)
+            )
+        self.segments = segments
+        last = first + rows[-1][1]
+        return (first, last, self.step, self.step + rows[-1][2], len(rows), kinds, payload)
 
 
 _DTYPE_STR: dict = {}
@@ -543,8 +583,8 @@ def _deflater():
 
 
 def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> list[ev.Event]:
-    """The events of one block row (inverse of ``_BlockWriter``); ``classes``: the event class of each kind code
-    (``_classes_of`` the file's meta ``kinds``)."""
+    """The events of one block row (inverse of ``_BlockWriter``; ``first`` and ``step``: its seq and step columns);
+    ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``)."""
     tag = payload[:1]
     if tag == b"D":
         body = zlib.decompressobj(-15).decompress(payload[1:])
@@ -591,15 +631,15 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
             raise ValueError(f"unknown event kind code {row[0]}")
         fields = _fields_of(cls)
         nf = len(fields)
-        if len(row) not in (2 + nf, 3 + nf):
+        if len(row) not in (3 + nf, 4 + nf):
             raise ValueError(f"a {cls.__name__} row has {len(row)} items")
-        mask = row[2 + nf] if len(row) > 2 + nf else 0
+        mask = row[3 + nf] if len(row) > 3 + nf else 0
         kw = {}
         for i, (name, is_tuple, is_float) in enumerate(fields):
             if mask >> i & 1:
                 v = next(floats) if is_float else next(it)
             else:
-                v = row[2 + i]
+                v = row[3 + i]
                 if name == "rids" and type(v) is int:
                     v = rlists[v]
                 elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
@@ -607,7 +647,7 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
             kw[name] = v
         if isinstance(kw.get("violation"), dict):
             kw["violation"] = Violation(**kw["violation"])
-        out.append(make(cls, first + row[1], t, step, kw))
+        out.append(make(cls, first + row[1], t, step + row[2], kw))
     return out
 
 
@@ -617,7 +657,7 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     block payload of that one event (see ``_BlockWriter``). The writer stores blocks of many events the same way."""
     b = _BlockWriter(e.step, e.seq, cache)
     b.add(type(e), e.__dict__)
-    rid = next(iter(b.rids)) if b.rids else None
+    rid = next(iter(b.rids))[0] if b.rids else None
     return type(e).__name__, rid, b.row()[-1]
 
 
@@ -806,6 +846,7 @@ class FlightRecorder:
         self._block: _BlockWriter | None = None  # the block being filled (writer thread)
         self._deflate = _deflater()
         self._rows: list = []  # encoded blocks not yet inserted (writer thread)
+        self._seg_rows: list = []  # their segments
         self._rid_rows: list = []
         self._vrows: list = []
         self._kindsets: set = set()  # the kinds bit sets already in table kindsets
@@ -1040,7 +1081,7 @@ class FlightRecorder:
                         break
             except Exception as exc:
                 self.lost_events += uncommitted
-                self._block, self._rows, self._rid_rows, self._vrows = None, [], [], []
+                self._block, self._rows, self._seg_rows, self._rid_rows, self._vrows = None, [], [], [], []
                 self._kindsets, self._new_kindsets = set(), []
                 self._deflate = _deflater()
                 self._fail(exc)
@@ -1110,7 +1151,9 @@ class FlightRecorder:
             blk = self._block_for(blk, EventsLost, head["step"], hi)
             blk.add(EventsLost, marker.__dict__)
             n += 1
-        snapshot, boundary, violation = ev.Snapshot, ev.StepBoundary, ev.ViolationEvent
+        snapshot, violation, boundary = ev.Snapshot, ev.ViolationEvent, ev.StepBoundary
+        # A snapshot's step boundary starts a new block: retention deletes whole blocks, those before a snapshot.
+        cut_at = snap[1] if snap is not None else None
         it = iter(batch)
         redact = self._hasher.event_fields if self._hasher is not None else None
         for cls, d in zip(it, it):
@@ -1118,14 +1161,8 @@ class FlightRecorder:
                 continue
             if redact is not None:
                 d = redact(d)  # every request id as its pseudonym, before anything is encoded
-            step = d["step"]
-            if (
-                blk is None
-                or step != blk.step
-                or len(blk.rows) >= _BLOCK_EVENTS
-                or (cls is boundary and blk.boundary is not None)
-            ):
-                blk = self._block_for(blk, cls, step, d["seq"])
+            if blk is None or len(blk.rows) >= _BLOCK_EVENTS or (cls is boundary and d["seq"] == cut_at):
+                blk = self._block_for(blk, cls, d["step"], d["seq"], cut=cls is boundary and d["seq"] == cut_at)
             blk.add(cls, d)
             n += 1
             if cls is violation:
@@ -1145,11 +1182,11 @@ class FlightRecorder:
             self._want_snapshot = True
         return bool(vrows)
 
-    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int) -> _BlockWriter:
+    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int, cut: bool = False) -> _BlockWriter:
         """A block that takes an event of ``cls`` at ``step``: ``blk`` when it can, else a new one (``blk`` is
-        closed: one step per block, at most one step boundary, at most ``_BLOCK_EVENTS`` events)."""
+        closed when it holds ``_BLOCK_EVENTS`` events, or with ``cut``)."""
         if blk is not None and blk.n:
-            if step == blk.step and blk.n < _BLOCK_EVENTS and not (cls is ev.StepBoundary and blk.boundary is not None):
+            if blk.n < _BLOCK_EVENTS and not cut:
                 return blk
             self._close_block(blk)
         blk = self._block = _BlockWriter(step, seq, self._rids_cache)
@@ -1158,23 +1195,28 @@ class FlightRecorder:
     def _close_block(self, blk: _BlockWriter) -> None:
         row = blk.row(self._deflate)
         self._rows.append(row)
-        if row[4] not in self._kindsets:
-            self._kindsets.add(row[4])
-            self._new_kindsets.append((row[4],))
+        segments = blk.segments
+        self._seg_rows += segments
+        for seg in segments:
+            if seg[4] not in self._kindsets:
+                self._kindsets.add(seg[4])
+                self._new_kindsets.append((seg[4],))
         self._since_snap_bytes += len(row[-1])
         if blk.rids:
-            first, step = blk.first, blk.step
-            self._rid_rows.extend((first, r, step) for r in blk.rids)
+            first = blk.first
+            self._rid_rows.extend((first, r, step) for r, step in blk.rids)
         self._block = None
 
     def _insert_rows(self, close: bool = True) -> None:
         """Insert the encoded blocks (and, with ``close``, the block being filled: before every commit)."""
         if close and self._block is not None and self._block.n:
             self._close_block(self._block)
-        rows, rid_rows, vrows = self._rows, self._rid_rows, self._vrows
-        self._rows, self._rid_rows, self._vrows = [], [], []
+        rows, seg_rows, rid_rows, vrows = self._rows, self._seg_rows, self._rid_rows, self._vrows
+        self._rows, self._seg_rows, self._rid_rows, self._vrows = [], [], [], []
         if rows:
-            self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", rows)
+            self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?)", rows)
+        if seg_rows:
+            self._conn.executemany("INSERT OR IGNORE INTO segments VALUES (?,?,?,?,?,?,?,?,?)", seg_rows)
         if rid_rows:
             self._conn.executemany("INSERT INTO rids VALUES (?,?,?)", rid_rows)
         if self._new_kindsets:
@@ -1250,6 +1292,9 @@ class FlightRecorder:
                 "SELECT coalesce(sum(n), 0) FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)
             ).fetchone()[0]
             b = conn.execute("DELETE FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)).rowcount
+            # The segments of the deleted blocks: those before the first kept block (a block's segments lie between
+            # its first seq and its last).
+            conn.execute("DELETE FROM segments WHERE seq < coalesce((SELECT min(seq) FROM blocks), ?1)", (seq,))
             # rids rows are inserted in block order: those of deleted blocks are the rowids before the first row
             # of a kept block (found by a scan in rowid order that stops there).
             conn.execute(
@@ -1394,7 +1439,7 @@ class Recording:
         """(first, last): the range of steps ``state_at`` can answer (first: the oldest kept snapshot)."""
         with self._read() as conn:
             first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-            last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
+            last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
             top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
         if first is None:
             raise RecordingError(f"{self.path}: the recording has no snapshot")
@@ -1422,38 +1467,45 @@ class Recording:
         """Decoded events with ``start <= step < stop`` (None: unbounded), in seq order; ``kinds``: event classes
         or their names. Read in chunks of blocks (each its own read transaction), so a long iteration follows the
         writer."""
-        where, args = _step_range(start, stop)
+        start = None if start is None else int(start)
+        stop = None if stop is None else int(stop)
         wanted = None
+        mask = 0
         if kinds is not None:
             kinds = list(kinds)
             mask = self._mask(kinds)
             if not mask:
                 return
             wanted = {self._classes[c] for c in range(len(self._classes)) if mask >> c & 1}
-            with self._read() as conn:
-                sets = self._kindsets(conn, mask)
-                if not sets:
-                    return
-                cond = f"kinds IN ({','.join(map(str, sets))})"
-                n = conn.execute(f"SELECT count(*) FROM blocks{where}{' AND ' if where else ' WHERE '}{cond}", args)
-                # Few blocks: found by the kinds index (and sorted); many: read in seq order, filtered ("+": no
-                # index), so that each chunk does not sort them all again.
-                if n.fetchone()[0] > 4 * _READ_BLOCKS:
-                    cond = "+" + cond
-            where += (" AND " if where else " WHERE ") + cond
-        where += (" AND " if where else " WHERE ") + "seq > ?"
+        # The blocks from the one holding the first event of the range (segments_step) up to the one holding its
+        # last (found again for each chunk: a long iteration follows the writer); steps never decrease with seq.
+        where, args = [], []
+        if start is not None:
+            where.append(
+                "seq >= coalesce((SELECT block FROM segments WHERE step >= ? ORDER BY step, block LIMIT 1), 1 << 62)"
+            )
+            args.append(start)
+        if stop is not None:
+            where.append(
+                "seq <= coalesce("
+                "(SELECT block FROM segments WHERE step < ? ORDER BY step DESC, block DESC LIMIT 1), -(1 << 62))"
+            )
+            args.append(stop)
+        if mask:
+            where.append(f"kinds & {mask} != 0")
+        where.append("seq > ?")
+        sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS}"
+        lo = -(2**62) if start is None else start
+        hi = 2**62 if stop is None else stop
         after = -(2**62)
         while True:
             with self._read() as conn:
-                rows = conn.execute(
-                    f"SELECT seq, step, payload FROM blocks{where} ORDER BY seq LIMIT {_READ_BLOCKS}",
-                    [*args, after],
-                ).fetchall()
+                rows = conn.execute(sql, [*args, after]).fetchall()
             if not rows:
                 return
             for seq, step, payload in rows:
                 for e in self._decode(seq, step, payload):
-                    if wanted is None or type(e) in wanted:
+                    if lo <= e.step < hi and (wanted is None or type(e) in wanted):
                         yield e
             after = rows[-1][0]
 
@@ -1470,7 +1522,7 @@ class Recording:
         step = int(step)
         with self._read() as conn:
             end = conn.execute(
-                "SELECT max(boundary) FROM blocks WHERE step = ? AND boundary IS NOT NULL", (step,)
+                "SELECT max(boundary) FROM segments WHERE step = ? AND boundary IS NOT NULL", (step,)
             ).fetchone()[0]
             if end is None:
                 row = conn.execute("SELECT max(seq) FROM snapshots WHERE step = ?", (step,)).fetchone()
@@ -1481,7 +1533,7 @@ class Recording:
             base_seq = row[0]
             if base_seq is None:
                 first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-                last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
+                last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
                 last = first if last is None else last
                 raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
             snap_rows = conn.execute(
@@ -1542,12 +1594,12 @@ class Recording:
         where, args = _step_range(start, stop)
         where += (" AND " if where else " WHERE ") + "boundary IS NOT NULL"
         with self._read() as conn:
-            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM blocks{where}", args).fetchone()
+            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM segments{where}", args).fetchone()
             if not n:
                 return []
             stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
             rows = conn.execute(
-                f"SELECT step, available FROM blocks{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
+                f"SELECT step, available FROM segments{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
                 [*args, int(lo), stride],
             ).fetchall()
         out = {}
@@ -1572,7 +1624,7 @@ class Recording:
             if not sets:
                 return out
             where += (" AND " if where else " WHERE ") + f"kinds IN ({','.join(map(str, sets))})"
-            sql = f"SELECT (step / ?) * ? AS b, counts FROM blocks{where}"
+            sql = f"SELECT (step / ?) * ? AS b, counts FROM segments{where}"
             rows = conn.execute(sql, [bucket, bucket, *args]).fetchall()
         per: dict[str, dict] = {n: {} for n in names}
         for b, counts in rows:

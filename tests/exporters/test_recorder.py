@@ -521,7 +521,7 @@ def test_other_format_versions_are_a_clear_error(tmp_path):
     # newer writer: the error names the file and both versions; a writer may still replace such a file with
     # overwrite=True.
     e = Engine("paged-4", False, "immediate")
-    for version, word in ((1, "older"), (2, "older"), (FORMAT_VERSION + 1, "newer")):
+    for version, word in ((1, "older"), (2, "older"), (3, "older"), (FORMAT_VERSION + 1, "newer")):
         path = tmp_path / f"v{version}.db"
         FlightRecorder(e.w, path).close()
         with sqlite3.connect(path) as c:
@@ -536,7 +536,7 @@ def test_other_format_versions_are_a_clear_error(tmp_path):
             FlightRecorder(e.w, path)
         FlightRecorder(e.w, path, overwrite=True).close()
         with Recording(path) as r:
-            assert r.meta["format_version"] == FORMAT_VERSION == 3
+            assert r.meta["format_version"] == FORMAT_VERSION == 4
 
 
 def test_missing_step_is_a_clear_error(tmp_path):
