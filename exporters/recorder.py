@@ -65,9 +65,11 @@ from __future__ import annotations
 
 import array
 import atexit
+import bisect
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import operator
@@ -298,27 +300,42 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 class _Plan:
     """How the writer stores one event class: ``get`` reads (seq, step, *fields in dataclass order) from an
-    instance dict (the timestamp is read apart); the row positions (3 + field index) of the fields that may hold
-    arrays (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple, of a
-    ``violation`` and of ``available``."""
+    instance dict (the timestamp is read apart), and each field's role (``roles``, in field order): ``_ARRAY``
+    (annotated ``Any``: may hold arrays), ``_FLOAT`` (annotated ``float``), ``_RID``, ``_RIDS``, ``_VIOLATION``,
+    ``_AVAILABLE`` (a step boundary's) or ``_PLAIN``."""
 
-    __slots__ = ("arrays", "available", "boundary", "code", "floats", "get", "rid", "rids", "violation")
+    __slots__ = ("boundary", "code", "get", "roles")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
-        names = [f.name for f in fields]
-        self.get = operator.itemgetter("seq", "step", *names)
-        self.arrays = tuple(3 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
-        self.floats = tuple(3 + i for i, f in enumerate(fields) if f.type in ("float", float))
-        self.rid = 3 + names.index("rid") if "rid" in names else None
-        self.rids = 3 + names.index("rids") if "rids" in names else None
-        self.violation = 3 + names.index("violation") if "violation" in names else None
+        self.get = operator.itemgetter("seq", "step", *[f.name for f in fields])
         self.boundary = cls is ev.StepBoundary
-        self.available = 3 + names.index("available") if self.boundary else None
+        roles = []
+        for f in fields:
+            if f.name == "rid":
+                roles.append(_RID)
+            elif f.name == "rids":
+                roles.append(_RIDS)
+            elif f.name == "violation":
+                roles.append(_VIOLATION)
+            elif f.name == "available" and self.boundary:
+                roles.append(_AVAILABLE)
+            elif f.type in ("Any", Any):
+                roles.append(_ARRAY)
+            elif f.type in ("float", float):
+                roles.append(_FLOAT)
+            else:
+                roles.append(_PLAIN)
+        self.roles = tuple(roles)
 
 
+_PLAIN, _ARRAY, _FLOAT, _RID, _RIDS, _VIOLATION, _AVAILABLE = range(7)
 _PLANS: dict[type, _Plan] = {}
+_NONE_TYPE = type(None)
+_RID_TYPES = frozenset({str, int, _NONE_TYPE})  # request ids stored as they are (bool is not among them)
+_TS_OF = operator.itemgetter("ts")
+_SEQ_OF = operator.attrgetter("seq")
 
 
 def _plan(cls: type) -> _Plan:
@@ -329,23 +346,30 @@ def _plan(cls: type) -> _Plan:
 
 
 class _BlockWriter:
-    """The events of one block as they are added (writer thread), then its row (``row()``) and its segments.
+    """The events of one block as they are added (writer thread: ``add``, or ``groups``/``n`` directly), then its
+    row (``row()``) and its segments.
 
-    A block holds consecutive events (of one or more steps; its ``step``: the first event's) and at most
-    ``_BLOCK_EVENTS`` events. Its events are cut into segments: the consecutive events of one step in the block,
-    with at most one ``StepBoundary`` (its seq and ``available``, as JSON); each segment is a row of the
-    ``segments`` table (``segments``, filled by ``row()``), which the queries read instead of the payloads.
+    A block holds consecutive events (of one or more steps; steps never decrease with seq) and at most
+    ``_BLOCK_EVENTS`` events. ``add`` only files an event's instance dict under its class; ``row()`` encodes the
+    block kind by kind, column by column (C-level maps, zips and numpy, not a Python loop per event).
+    Its events are cut into segments: the consecutive events of one step in the block, with at most one
+    ``StepBoundary`` (its seq and ``available``, as JSON); each segment is a row of the ``segments`` table
+    (``segments``, filled by ``row()``), which the queries read instead of the payloads.
     Its payload: b"D" + raw deflate of the body (level 1, ending in a full flush) when that pays (bodies over
     ``_COMPRESS_OVER`` bytes), else b"B" + body;
-    body = u32 header length + header JSON + the events' timestamps as little-endian float64 (one per event, in
-    order; absent when the header has ``t``) + the values of the events' float fields stored out of line
-    (little-endian float64, ``f`` of them, in event and field order) + the little-endian bytes of every array of
+    body = u32 header length + header JSON + the floats stored out of line (little-endian float64, ``f`` of them)
+    + each event's seq and step offsets (little-endian, dtype ``x``) + the little-endian bytes of every array of
     the block, concatenated.
-    Header: ``e``: one ``[code, seq - the block's first seq, step - the block's step, *fields]`` per event (fields
-    in dataclass order; an array or a float field's float as null, a ``rids`` tuple as its index in ``r``),
-    followed, when some fields are out of line, by the bit mask of those fields (a field annotated ``float``: the
-    next float; else the next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON;
-    ``f`` (only when not 0): the count of out-of-line floats;
+    Header: ``g``: one ``[code, n, ts, [entry per field]]`` per kind of the block (fields in dataclass order), its
+    ``n`` events in seq order; ``ts``: 0 when its timestamps are floats stored out of line, else their JSON list;
+    a field's entry: 0 when every value is out of line (a field annotated ``float``: its floats; else its arrays);
+    a list: the values in JSON (a request id through ``_rid``, a violation as its dict); ``{"r": [...]}`` (a
+    ``rids`` field): a tuple as its index in ``r``, an int as its repr, anything else as it is; ``{"m": [...],
+    "v": [...]}``: 1 where the value is out of line, else 0 and the value in ``v``.
+    The out-of-line floats, offsets and arrays are taken kind by kind in ``g``'s order: for each kind its
+    timestamps (when 0), then its float fields' floats, field by field; its ``n`` seq offsets (seq - the block's
+    first seq), then its ``n`` step offsets (step - the block's step); its array fields' arrays, field by field.
+    ``f``: the count of out-of-line floats; ``x``: the dtype of the offsets;
     ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
@@ -353,105 +377,43 @@ class _BlockWriter:
     that holds every value of the block. (Timestamps are binary because the shortest repr of a float, which JSON
     writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
-    __slots__ = (
-        "arrays", "available", "boundary", "cur", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows",
-        "seg_start", "segments", "step", "ts",
-    )  # fmt: skip
+    __slots__ = ("chunks", "first", "n", "rid_cache", "rids", "segments", "step")
 
     def __init__(self, step: int, first: int, rid_cache: dict | None):
-        self.step = step
+        self.step = step  # the step and seq of the block's first event (row() sets them from its events)
         self.first = first
-        self.cur = step  # the step of the open segment
-        self.seg_start = 0  # the open segment's first event (index in rows)
-        self.boundary = None  # the open segment's step boundary: its seq, and its available as JSON
-        self.available = None
-        self.segments: list = []  # closed segments: (first row, end row, step, boundary, available), then rows
-        self.rows: list = []
-        self.ts: list = []
-        self.floats: list = []  # the float fields stored out of the JSON, in event order
-        self.arrays: list = []
-        self.rids: set = set()  # (request id, step) the block's events are stored under (the rids table)
-        self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
-        self.rjson: list = []
+        self.chunks: list = []  # flat [class, instance dict, ...] lists (sequences), in seq order
+        self.n = 0  # events in chunks (a Snapshot event among them is not stored)
+        self.segments: list = []  # filled by row()
+        self.rids: set = set()  # (request id, step) the block's events are stored under (the rids table): row()
         self.rid_cache = rid_cache
 
-    @property
-    def n(self) -> int:
-        return len(self.rows)
-
-    def _cut(self) -> None:
-        """Close the open segment (when it has events)."""
-        end = len(self.rows)
-        if end > self.seg_start:
-            self.segments.append((self.seg_start, end, self.cur, self.boundary, self.available))
-        self.seg_start = end
-        self.boundary = self.available = None
-
     def add(self, cls: type, d: Mapping) -> None:
-        """Add one event given as its class and instance dict (steps never decrease within a block)."""
-        p = _PLANS.get(cls) or _plan(cls)
-        row = [p.code, *p.get(d)]
-        step = row[2]
-        if step != self.cur or (p.boundary and self.boundary is not None):
-            self._cut()
-            self.cur = step
-        row[1] -= self.first
-        row[2] = step - self.step
-        self.ts.append(d["ts"])
-        mask = 0
-        for i in p.arrays:
-            v = row[i]
-            if isinstance(v, np.ndarray):
-                self.arrays.append(v)
-                row[i] = None
-                mask |= 1 << (i - 3)
-        for i in p.floats:
-            v = row[i]
-            if type(v) is float:
-                self.floats.append(v)
-                row[i] = None
-                mask |= 1 << (i - 3)
-        rid = None
-        i = p.rid
-        if i is not None:
-            row[i] = rid = _rid(row[i])
-        i = p.rids
-        if i is not None:
-            rids = row[i]
-            if type(rids) is tuple:
-                hit = self.rindex.get(id(rids))
-                if hit is not None and hit[1] is rids:
-                    k = hit[0]
-                else:
-                    k = len(self.rjson)
-                    self.rindex[id(rids)] = (k, rids)  # holds the tuple: its id is not reused within the block
-                    self.rjson.append(self._rids_json(rids))
-                row[i] = k
-                if len(rids) == 1:
-                    rid = _rid(rids[0])
-            elif isinstance(rids, int):
-                row[i] = repr(rids)  # an int here would read as an index into "r"
-        i = p.violation
-        if i is not None:
-            v = row[i]
-            if isinstance(v, Violation):
-                row[i] = _violation_doc(v)
-                rid = _rid(v.rid)
-        if mask:
-            row.append(mask)
-        self.rows.append(row)
-        if rid is not None:
-            self.rids.add((rid, step))
-        if p.boundary:
-            self.boundary = d["seq"]
-            i = p.available
-            av = row[i]
-            if type(av) is dict and any(type(v) is not int for v in av.values()):
-                # numpy integers as ints once, here (as JSON would read them back), so that both encodings of
-                # the dict (in the row and in the column) stay in the C encoder, not its Python default hook.
-                av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
-                row[i] = av
-            self.available = _json(av)
+        """Add one event given as its class and instance dict (in seq order)."""
+        self.chunks.append((cls, d))
+        self.n += 1
+
+    def _groups(self) -> dict:
+        """Event class -> its instance dicts in seq order, from ``chunks`` (C-level slices, chains and a numpy
+        sort: no Python work per event). The wrapper's own Snapshot events are dropped."""
+        chunks = self.chunks
+        if len(chunks) == 1:
+            classes, dicts = chunks[0][0::2], chunks[0][1::2]
+        else:
+            classes = list(itertools.chain.from_iterable([c[0::2] for c in chunks]))
+            dicts = list(itertools.chain.from_iterable([c[1::2] for c in chunks]))
+        kinds = dict.fromkeys(classes)
+        if len(kinds) == 1:
+            groups = {classes[0]: dicts}
+        else:
+            local = {c: i for i, c in enumerate(kinds)}
+            codes = np.fromiter(map(local.__getitem__, classes), np.intp, len(classes))
+            ordered = operator.itemgetter(*np.argsort(codes, kind="stable").tolist())(dicts)
+            ends = np.cumsum(np.bincount(codes, minlength=len(local))).tolist()
+            groups = {c: ordered[a:b] for c, a, b in zip(kinds, [0, *ends[:-1]], ends)}
+        groups.pop(ev.Snapshot, None)
+        self.n = sum(map(len, groups.values()))
+        return groups
 
     def _rids_json(self, rids: tuple) -> str:
         """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
@@ -471,14 +433,120 @@ class _BlockWriter:
 
     def row(self, deflate=None) -> tuple:
         """(seq, last, step, last_step, n, kinds, payload) of the ``blocks`` table; ``segments`` then holds the
-        block's rows of the ``segments`` table, (seq, last, step, n, kinds, counts, boundary, available, block).
-        ``deflate``: the writer's raw deflate compressor (``_deflater()``), reused from block to block (a new one
-        costs more than compressing a block): every block ends with a full flush, so each decompresses alone."""
-        rows = self.rows
+        block's rows of the ``segments`` table, (seq, last, step, n, kinds, counts, boundary, available, block),
+        and ``rids`` its (request id, step) pairs. ``deflate``: the writer's raw deflate compressor
+        (``_deflater()``), reused from block to block (a new one costs more than compressing a block): every block
+        ends with a full flush, so each decompresses alone."""
+        heads = []
+        floats: list = []  # sequences of floats, concatenated
+        arrays: list = []
+        seqs, steps, codes = [], [], []
+        rjson: list = []
+        rindex: dict = {}  # id(rids tuple) -> its index in rjson (every tuple is held by the block's dicts)
+        pairs = self.rids
+        available: dict = {}  # a boundary's seq -> its available, as JSON
+        for cls, ds in self._groups().items():
+            p = _PLANS.get(cls) or _plan(cls)
+            n = len(ds)
+            cols = list(zip(*map(p.get, ds)))
+            seq_col, step_col = cols[0], cols[1]
+            seqs.append(np.array(seq_col, dtype=np.int64))
+            steps.append(np.array(step_col, dtype=np.int64))
+            codes.append(np.full(n, p.code, np.int64))
+            ts = list(map(_TS_OF, ds))
+            if set(map(type, ts)) == {float}:
+                floats.append(ts)
+                ts = 0
+            entries = []
+            for role, col in zip(p.roles, cols[2:]):
+                types = set(map(type, col))
+                if role in (_ARRAY, _FLOAT):
+                    kind = np.ndarray if role == _ARRAY else float
+                    if types == {kind}:
+                        (arrays if role == _ARRAY else floats).append(col)
+                        entries.append(0)
+                        continue
+                    if role == _ARRAY:
+                        out_of_line = [isinstance(v, np.ndarray) for v in col]
+                    else:
+                        out_of_line = [type(v) is float for v in col]
+                    if any(out_of_line):
+                        (arrays if role == _ARRAY else floats).append([v for v, m in zip(col, out_of_line) if m])
+                        values = [None if m else v for v, m in zip(col, out_of_line)]
+                        entries.append({"m": [int(m) for m in out_of_line], "v": values})
+                        continue
+                    entries.append(list(col))
+                elif role == _RIDS:
+                    if types == {tuple}:
+                        ids = list(map(id, col))
+                        single = {}  # id -> the request id of a one-request tuple
+                        for k, t in dict(zip(ids, col)).items():
+                            if k not in rindex:
+                                rindex[k] = len(rjson)
+                                rjson.append(self._rids_json(t))
+                            if len(t) == 1:
+                                single[k] = _rid(t[0])
+                        if single:
+                            pairs.update((single[k], s) for k, s in zip(ids, step_col) if k in single)
+                        entries.append({"r": list(map(rindex.__getitem__, ids))})
+                    else:
+                        values = []
+                        for t, s in zip(col, step_col):
+                            if type(t) is tuple:
+                                if id(t) not in rindex:
+                                    rindex[id(t)] = len(rjson)
+                                    rjson.append(self._rids_json(t))
+                                if len(t) == 1:
+                                    pairs.add((_rid(t[0]), s))
+                                values.append(rindex[id(t)])
+                            elif isinstance(t, int):
+                                values.append(repr(t))  # an int here would read as an index into "r"
+                            else:
+                                values.append(t)
+                        entries.append({"r": values})
+                elif role == _RID:
+                    if not types <= _RID_TYPES:
+                        col = list(map(_rid, col))
+                    if types != {_NONE_TYPE}:
+                        pairs.update((r, s) for r, s in zip(col, step_col) if r is not None)
+                    entries.append(list(col))
+                elif role == _VIOLATION:
+                    values = []
+                    for v, s in zip(col, step_col):
+                        if isinstance(v, Violation):
+                            r = _rid(v.rid)
+                            if r is not None:
+                                pairs.add((r, s))
+                            v = _violation_doc(v)
+                        values.append(v)
+                    entries.append(values)
+                elif role == _AVAILABLE:
+                    values = []
+                    for av, q in zip(col, seq_col):
+                        if type(av) is dict and any(type(v) is not int for v in av.values()):
+                            # numpy integers as ints once, here (as JSON would read them back), so that both
+                            # encodings (in the payload and in the column) stay in the C encoder.
+                            av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
+                        values.append(av)
+                        available[q] = _json(av)
+                    entries.append(values)
+                else:
+                    entries.append(list(col))
+            heads.append([p.code, n, ts, entries])
+        seq = np.concatenate(seqs)
+        step = np.concatenate(steps)
+        at = int(np.argmin(seq))
+        first, bstep = int(seq[at]), int(step[at])
+        self.first, self.step = first, bstep
+        # Per kind: its n seq offsets, then its n step offsets.
+        offs = np.concatenate([x for s, t in zip(seqs, steps) for x in (s - first, t - bstep)])
+        lo, hi = int(_MIN(offs)), int(_MAX(offs))
+        xstore = "<i4" if lo >= _I4_MIN and hi <= _I4_MAX else "<i8"
+        iseg = offs.astype(xstore).tobytes()
         seg = b""
         ameta = "[]"
-        arrays = self.arrays
         if arrays:
+            arrays = [a for col in arrays for a in col]
             # A step that frees many requests has hundreds of tiny arrays: the checks run per distinct dtype and
             # ndim, and the per-array work stays in C (map, set) rather than in Python loops.
             dtypes = list(map(_DTYPE_OF, arrays))
@@ -490,10 +558,10 @@ class _BlockWriter:
                 else:
                     flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
                 # The ufuncs' own reduce: ndarray.min/max go through a Python wrapper that costs as much again.
-                lo, hi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
-                if lo >= _I2_MIN and hi <= _I2_MAX:
+                alo, ahi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
+                if alo >= _I2_MIN and ahi <= _I2_MAX:
                     store = "<i2"
-                elif lo >= _I4_MIN and hi <= _I4_MAX:
+                elif alo >= _I4_MIN and ahi <= _I4_MAX:
                     store = "<i4"
                 else:
                     store = "<i8"
@@ -508,49 +576,67 @@ class _BlockWriter:
                 stores = [d.newbyteorder("<") for d in dtypes]
                 seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
                 ameta = _json([[d.str, st.str, a.shape] for d, st, a in zip(dtypes, stores, arrays)])
-        ts = self.ts
-        if all(type(t) is float for t in ts):
-            tpart = ""
-            fseg = array.array("d", ts)
-        else:  # an int (or other) timestamp reads back as it was given
-            tpart = f',"t":{_json(ts)}'
-            fseg = array.array("d")
-        if self.floats:
-            fseg.extend(self.floats)
-            tpart += f',"f":{len(self.floats)}'
+        fseg = array.array("d")
+        for f in floats:
+            fseg.extend(f)
         if _BIG_ENDIAN:
             fseg.byteswap()
-        tseg = fseg.tobytes()
-        head = f'{{"e":{_json(rows)}{tpart},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
-        body = b"".join((struct.pack("<I", len(head)), head, tseg, seg))
+        head = f'{{"g":{_json(heads)},"f":{len(fseg)},"x":"{xstore}","r":[{",".join(rjson)}],"a":{ameta}}}'.encode()
+        body = b"".join((struct.pack("<I", len(head)), head, fseg.tobytes(), iseg, seg))
         payload = b"B" + body
         if len(body) > _COMPRESS_OVER:
             d = deflate or _deflater()
             z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
             if len(z) < len(body):
                 payload = b"D" + z
-        self._cut()
-        first = self.first
+        self.segments, kinds = self._segments(seq, step, np.concatenate(codes), available)
+        order_last = int(_MAX(seq))
+        return (first, order_last, bstep, int(_MAX(step)), self.n, kinds, payload)
+
+    def _segments(self, seq, step, codes, available: dict) -> tuple[list, int]:
+        """The block's segments (see the class) and the OR of their kinds, from its events' seqs, steps and kind
+        codes (in kind order): numpy finds the step changes; Python runs once per segment."""
+        order = np.argsort(seq, kind="stable")
+        seq, step, codes = seq[order], step[order], codes[order]
+        starts = [0, *(np.flatnonzero(step[1:] != step[:-1]) + 1).tolist()]
+        bseq = sorted(available)
+        bpos = np.searchsorted(seq, np.array(bseq, dtype=np.int64)).tolist() if bseq else []
+        if len(bpos) > 1:  # a second boundary in one segment starts a new one
+            added = []
+            prev = last_cut = -1
+            for i in bpos:
+                seg = max(starts[bisect.bisect_right(starts, i) - 1], last_cut)
+                if seg == prev:
+                    added.append(i)
+                    last_cut = seg = i
+                prev = seg
+            if added:
+                starts = sorted(set(starts).union(added))
+        ends = [*starts[1:], len(seq)]
+        bound: dict = {}  # segment index -> its boundary's seq
+        for i, q in zip(bpos, bseq):
+            bound[bisect.bisect_right(starts, i) - 1] = q
+        seql, stepl = seq.tolist(), step.tolist()
+        block = self.first
         kinds = 0
-        segments = []
-        for a, b, step, boundary, available in self.segments:
-            codes = tuple([r[0] for r in rows[a:b]])
-            hit = _COUNTS.get(codes)  # a decode step repeats the same kinds in the same order, step after step
+        out = []
+        for j, (a, b) in enumerate(zip(starts, ends)):
+            key = codes[a:b].tobytes()
+            hit = _COUNTS.get(key)  # a decode step repeats the same kinds, step after step
             if hit is None:
-                counts = collections.Counter(codes)
+                counts = collections.Counter(codes[a:b].tolist())
                 k = 0
                 for code in counts:
                     k |= 1 << code
                 if len(_COUNTS) >= 1024:
                     _COUNTS.clear()
-                hit = _COUNTS[codes] = (k, _json(counts))
+                hit = _COUNTS[key] = (k, _json(counts))
             kinds |= hit[0]
-            segments.append(
-                (first + rows[a][1], first + rows[b - 1][1], step, b - a, hit[0], hit[1], boundary, available, first)
+            q = bound.get(j)
+            out.append(
+                (seql[a], seql[b - 1], stepl[a], b - a, hit[0], hit[1], q, None if q is None else available[q], block)
             )
-        self.segments = segments
-        last = first + rows[-1][1]
-        return (first, last, self.step, self.step + rows[-1][2], len(rows), kinds, payload)
+        return out, kinds
 
 
 _DTYPE_STR: dict = {}
@@ -583,8 +669,8 @@ def _deflater():
 
 
 def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> list[ev.Event]:
-    """The events of one block row (inverse of ``_BlockWriter``; ``first`` and ``step``: its seq and step columns);
-    ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``)."""
+    """The events of one block row (inverse of ``_BlockWriter``; ``first`` and ``step``: its seq and step columns),
+    in seq order; ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``)."""
     tag = payload[:1]
     if tag == b"D":
         body = zlib.decompressobj(-15).decompress(payload[1:])
@@ -594,17 +680,17 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         raise ValueError(f"unknown block encoding {tag!r}")
     (n,) = struct.unpack_from("<I", body, 0)
     doc = json.loads(body[4 : 4 + n])
-    rows = doc["e"]
+    groups = doc["g"]
     pos = 4 + n
-    ts = doc.get("t")
-    if ts is None:
-        ts = np.frombuffer(body, dtype="<f8", count=len(rows), offset=pos).tolist()
-        pos += 8 * len(rows)
-    elif len(ts) != len(rows):
-        raise ValueError(f"a block of {len(rows)} events has {len(ts)} timestamps")
-    nfl = doc.get("f", 0)
+    nfl = doc["f"]
     floats = iter(np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist())
     pos += 8 * nfl
+    total = 0
+    for g in groups:
+        total += g[1]
+    xst = _LE.get(doc["x"]) or np.dtype(doc["x"])
+    offs = np.frombuffer(body, dtype=xst, count=2 * total, offset=pos).tolist()
+    pos += 2 * total * xst.itemsize
     arrays = []
     start = pos
     ameta = doc["a"]
@@ -622,32 +708,56 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
     if pos != len(body):
         raise ValueError(f"block arrays take {pos - start} bytes, the block has {len(body) - start}")
     rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
-    out = []
-    it = iter(arrays)
+    try:
+        out = _decode_groups(groups, offs, floats, iter(arrays), rlists, first, step, classes)
+    except StopIteration:
+        raise ValueError("a block's fields take more floats or arrays than it holds") from None
+    out.sort(key=_SEQ_OF)
+    return out
+
+
+def _decode_groups(groups, offs, floats, it, rlists, first, step, classes) -> list:
     make = ev.make
-    for row, t in zip(rows, ts):
-        cls = classes[row[0]]
+    out = []
+    at = 0
+    for code, k, ts, entries in groups:
+        cls = classes[code]
         if cls is None:
-            raise ValueError(f"unknown event kind code {row[0]}")
+            raise ValueError(f"unknown event kind code {code}")
         fields = _fields_of(cls)
-        nf = len(fields)
-        if len(row) not in (3 + nf, 4 + nf):
-            raise ValueError(f"a {cls.__name__} row has {len(row)} items")
-        mask = row[3 + nf] if len(row) > 3 + nf else 0
-        kw = {}
-        for i, (name, is_tuple, is_float) in enumerate(fields):
-            if mask >> i & 1:
-                v = next(floats) if is_float else next(it)
+        if len(entries) != len(fields):
+            raise ValueError(f"a {cls.__name__} group has {len(entries)} fields")
+        dseq, dstep = offs[at : at + k], offs[at + k : at + 2 * k]
+        at += 2 * k
+        if ts == 0:
+            ts = [next(floats) for _ in range(k)]
+        elif len(ts) != k:
+            raise ValueError(f"{k} {cls.__name__} events have {len(ts)} timestamps")
+        cols = []
+        for (name, is_tuple, is_float), ent in zip(fields, entries):
+            src = floats if is_float else it
+            tup = is_tuple or name in ("rid", "rids")
+            if type(ent) is int:
+                if ent != 0:
+                    raise ValueError(f"bad field entry {ent!r}")
+                col = [next(src) for _ in range(k)]
+            elif type(ent) is dict and "r" in ent:
+                col = [rlists[x] if type(x) is int else (_tuplify(x) if isinstance(x, list) else x) for x in ent["r"]]
             else:
-                v = row[3 + i]
-                if name == "rids" and type(v) is int:
-                    v = rlists[v]
-                elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
-                    v = _tuplify(v)
-            kw[name] = v
-        if isinstance(kw.get("violation"), dict):
-            kw["violation"] = Violation(**kw["violation"])
-        out.append(make(cls, first + row[1], t, step + row[2], kw))
+                if type(ent) is dict:
+                    col = [next(src) if m else v for m, v in zip(ent["m"], ent["v"], strict=True)]
+                else:
+                    col = ent
+                if tup:
+                    col = [_tuplify(v) if isinstance(v, list) else v for v in col]
+                elif name == "violation":
+                    col = [Violation(**v) if isinstance(v, dict) else v for v in col]
+            if len(col) != k:
+                raise ValueError(f"{k} {cls.__name__} events have {len(col)} values of {name}")
+            cols.append(col)
+        names = [f[0] for f in fields]
+        for i, values in enumerate(zip(*cols)) if cols else enumerate([()] * k):
+            out.append(make(cls, first + dseq[i], ts[i], step + dstep[i], dict(zip(names, values))))
     return out
 
 
@@ -657,8 +767,9 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     block payload of that one event (see ``_BlockWriter``). The writer stores blocks of many events the same way."""
     b = _BlockWriter(e.step, e.seq, cache)
     b.add(type(e), e.__dict__)
+    payload = b.row()[-1]
     rid = next(iter(b.rids))[0] if b.rids else None
-    return type(e).__name__, rid, b.row()[-1]
+    return type(e).__name__, rid, payload
 
 
 def decode_event(kind: str, seq: int, step: int, ts: float, payload: bytes) -> ev.Event:
@@ -970,7 +1081,7 @@ class FlightRecorder:
             self._gap_from = gap_from if gap_from is not None else first
             self._due = True
             return False
-        pending.append((items, snap, lost))
+        pending.append((items, snap, lost, urgent))
         if urgent or len(pending) >= self._wake_at:
             self._wake.set()
         self._gap_from = None
@@ -1138,10 +1249,30 @@ class FlightRecorder:
             raise OSError(f"the recording file {self.path!r} was deleted or replaced while recording")
         self._retain()
 
-    def _write(self, batch, snap, lost) -> bool:
+    def _write(self, batch, snap, lost, urgent) -> bool:
+        """Add a queued batch (flat [class, instance dict, ...]) to the open block; True when it held a violation
+        (to be committed at once)."""
+        blk = self._block
+        k = len(batch) >> 1
+        if (
+            not urgent
+            and snap is None
+            and lost is None
+            and blk is not None
+            and blk.n + k <= _BLOCK_EVENTS
+            and self._hasher is None
+        ):
+            # The usual batch: filed as it is, encoded with the block (no Python work per event here).
+            blk.chunks.append(batch)
+            blk.n += k
+            self._since_snap_events += k
+            if (self._max_events and self._since_snap_events >= max(1, self._max_events // 2)) or (
+                self._max_bytes and self._since_snap_bytes >= self._max_bytes // 4
+            ):
+                self._want_snapshot = True
+            return False
         vrows = []
         n = 0
-        blk = self._block
         if lost is not None:
             lo, hi = lost
             head = batch[1]
@@ -1161,7 +1292,7 @@ class FlightRecorder:
                 continue
             if redact is not None:
                 d = redact(d)  # every request id as its pseudonym, before anything is encoded
-            if blk is None or len(blk.rows) >= _BLOCK_EVENTS or (cls is boundary and d["seq"] == cut_at):
+            if blk is None or blk.n >= _BLOCK_EVENTS or (cls is boundary and d["seq"] == cut_at):
                 blk = self._block_for(blk, cls, d["step"], d["seq"], cut=cls is boundary and d["seq"] == cut_at)
             blk.add(cls, d)
             n += 1
@@ -1172,7 +1303,6 @@ class FlightRecorder:
                 )
         # Inserted by _insert_rows, many blocks in one executemany (before every commit, or _INSERT_ROWS blocks).
         self._vrows.extend(vrows)
-        self._n_events += n
         self._since_snap_events += n
         if snap is not None:
             self._write_snapshot(*snap)
@@ -1195,6 +1325,7 @@ class FlightRecorder:
     def _close_block(self, blk: _BlockWriter) -> None:
         row = blk.row(self._deflate)
         self._rows.append(row)
+        self._n_events += row[4]
         segments = blk.segments
         self._seg_rows += segments
         for seg in segments:
