@@ -14,12 +14,15 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   waited for; their page changes come in later events). A background writer thread owns the SQLite connection
   and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
   while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
-- File (format version 3): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
-  ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
-  one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
-  together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
-  per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
-  under one request id. A reader opens version 3 only: another version raises ``RecordingVersionError`` naming
+- File (format version 4): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
+  ``meta``, ``blocks``, ``segments``, ``kindsets``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``).
+  Events are stored in blocks, one row each: consecutive events of one or more steps (at most ``_BLOCK_EVENTS``;
+  a block is closed before every commit, and a snapshot's step boundary starts a new one), encoded together, kind
+  by kind (``_BlockWriter``), with their seq and step range, event count and kinds. ``segments`` holds one row
+  per step of a block (the block's events of that step, with at most one step boundary) with the columns the
+  queries need (seq range, step, event count, kinds and count per kind, the boundary's seq and ``available``,
+  the block), so that they never read a payload; ``rids`` holds (block, request id, step) for the events stored
+  under one request id. A reader opens version 4 only: another version raises ``RecordingVersionError`` naming
   the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
@@ -98,7 +101,7 @@ logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
 # 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64; 4: a block spans
-# several steps (each event's step in its row), one ``segments`` row per step of a block for the queries.
+# several steps and is encoded kind by kind, column by column; one ``segments`` row per step of a block.
 FORMAT_VERSION = 4
 SINK_NAME = "recorder"
 
@@ -377,13 +380,14 @@ class _BlockWriter:
     that holds every value of the block. (Timestamps are binary because the shortest repr of a float, which JSON
     writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
-    __slots__ = ("chunks", "first", "n", "rid_cache", "rids", "segments", "step")
+    __slots__ = ("chunks", "first", "n", "rid_cache", "rids", "segments", "skip", "step")
 
-    def __init__(self, step: int, first: int, rid_cache: dict | None):
+    def __init__(self, step: int, first: int, rid_cache: dict | None, skip: type | None = None):
         self.step = step  # the step and seq of the block's first event (row() sets them from its events)
         self.first = first
         self.chunks: list = []  # flat [class, instance dict, ...] lists (sequences), in seq order
-        self.n = 0  # events in chunks (a Snapshot event among them is not stored)
+        self.n = 0  # events in chunks (row() leaves out those of class ``skip``)
+        self.skip = skip
         self.segments: list = []  # filled by row()
         self.rids: set = set()  # (request id, step) the block's events are stored under (the rids table): row()
         self.rid_cache = rid_cache
@@ -395,7 +399,7 @@ class _BlockWriter:
 
     def _groups(self) -> dict:
         """Event class -> its instance dicts in seq order, from ``chunks`` (C-level slices, chains and a numpy
-        sort: no Python work per event). The wrapper's own Snapshot events are dropped."""
+        sort: no Python work per event), without the events of class ``skip``."""
         chunks = self.chunks
         if len(chunks) == 1:
             classes, dicts = chunks[0][0::2], chunks[0][1::2]
@@ -411,7 +415,8 @@ class _BlockWriter:
             ordered = operator.itemgetter(*np.argsort(codes, kind="stable").tolist())(dicts)
             ends = np.cumsum(np.bincount(codes, minlength=len(local))).tolist()
             groups = {c: ordered[a:b] for c, a, b in zip(kinds, [0, *ends[:-1]], ends)}
-        groups.pop(ev.Snapshot, None)
+        if self.skip is not None:
+            groups.pop(self.skip, None)
         self.n = sum(map(len, groups.values()))
         return groups
 
@@ -1319,7 +1324,8 @@ class FlightRecorder:
             if blk.n < _BLOCK_EVENTS and not cut:
                 return blk
             self._close_block(blk)
-        blk = self._block = _BlockWriter(step, seq, self._rids_cache)
+        # The wrapper's own Snapshot events are not stored (a batch filed as it is may hold some).
+        blk = self._block = _BlockWriter(step, seq, self._rids_cache, ev.Snapshot)
         return blk
 
     def _close_block(self, blk: _BlockWriter) -> None:
