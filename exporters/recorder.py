@@ -85,7 +85,7 @@ import threading
 import time
 import urllib.parse
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -673,9 +673,20 @@ def _deflater():
     return zlib.compressobj(1, zlib.DEFLATED, -15)
 
 
-def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> list[ev.Event]:
+def _decode_block(
+    payload: bytes,
+    first: int,
+    step: int,
+    classes: Sequence,
+    wanted: Container | None = None,
+    lo: int | None = None,
+    hi: int | None = None,
+    last: int | None = None,
+) -> list[ev.Event]:
     """The events of one block row (inverse of ``_BlockWriter``; ``first`` and ``step``: its seq and step columns),
-    in seq order; ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``)."""
+    in seq order; ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``).
+    Only those of a class in ``wanted`` (None: every class), with ``lo <= step < hi`` and ``seq <= last`` (None:
+    unbounded) are built: the others' arrays are never copied out of the payload."""
     tag = payload[:1]
     if tag == b"D":
         body = zlib.decompressobj(-15).decompress(payload[1:])
@@ -688,7 +699,7 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
     groups = doc["g"]
     pos = 4 + n
     nfl = doc["f"]
-    floats = iter(np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist())
+    floats = np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist()
     pos += 8 * nfl
     total = 0
     for g in groups:
@@ -696,35 +707,64 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
     xst = _LE.get(doc["x"]) or np.dtype(doc["x"])
     offs = np.frombuffer(body, dtype=xst, count=2 * total, offset=pos).tolist()
     pos += 2 * total * xst.itemsize
-    arrays = []
-    start = pos
-    ameta = doc["a"]
-    if ameta and isinstance(ameta[0], str):  # the 1-D integer form
-        store, dtypes, lens = ameta
-        ameta = [(d, store, (k,)) for d, k in zip(dtypes, lens, strict=True)]
-    for dtype, store, shape in ameta:
-        st = _LE.get(store) or np.dtype(store)
-        count = 1
-        for k in shape:
-            count *= k
-        a = np.frombuffer(body, dtype=st, count=count, offset=pos).reshape(shape)
-        arrays.append(a.astype(np.dtype(dtype).newbyteorder("=")))
-        pos += count * st.itemsize
-    if pos != len(body):
-        raise ValueError(f"block arrays take {pos - start} bytes, the block has {len(body) - start}")
+    arrays = _Arrays(body, pos, doc["a"])
     rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
-    try:
-        out = _decode_groups(groups, offs, floats, iter(arrays), rlists, first, step, classes)
-    except StopIteration:
-        raise ValueError("a block's fields take more floats or arrays than it holds") from None
+    out = _decode_groups(groups, offs, floats, arrays, rlists, first, step, classes, wanted, lo, hi, last)
     out.sort(key=_SEQ_OF)
     return out
 
 
-def _decode_groups(groups, offs, floats, it, rlists, first, step, classes) -> list:
+class _Arrays:
+    """The arrays of a block body, each copied out (to its own dtype, native byte order) only when asked for."""
+
+    __slots__ = ("body", "flat", "meta", "offsets")
+
+    def __init__(self, body: bytes, pos: int, ameta):
+        self.body = body
+        self.flat = None
+        if ameta and isinstance(ameta[0], str):  # the 1-D integer form: one run of the stored dtype
+            store, dtypes, lens = ameta
+            if len(dtypes) != len(lens):
+                raise ValueError("block array dtypes and lengths differ in number")
+            st = _LE.get(store) or np.dtype(store)
+            ends = np.cumsum(np.asarray(lens, dtype=np.int64)).tolist() if lens else []
+            count = ends[-1] if ends else 0
+            self.flat = np.frombuffer(body, dtype=st, count=count, offset=pos)
+            self.offsets = [0, *ends]
+            self.meta = dtypes
+            pos += count * st.itemsize
+        else:
+            self.meta = []
+            self.offsets = []
+            for dtype, store, shape in ameta:
+                st = _LE.get(store) or np.dtype(store)
+                count = 1
+                for k in shape:
+                    count *= k
+                self.meta.append((dtype, st, count, tuple(shape)))
+                self.offsets.append(pos)
+                pos += count * st.itemsize
+        if pos != len(body):
+            raise ValueError(f"block arrays end at byte {pos}, the block has {len(body)}")
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.flat is not None:
+            a = self.flat[self.offsets[i] : self.offsets[i + 1]]
+            return a.astype(np.dtype(self.meta[i]).newbyteorder("="))
+        dtype, st, count, shape = self.meta[i]
+        a = np.frombuffer(self.body, dtype=st, count=count, offset=self.offsets[i]).reshape(shape)
+        return a.astype(np.dtype(dtype).newbyteorder("="))
+
+
+def _decode_groups(groups, offs, floats, arrays, rlists, first, step, classes, wanted, lo, hi, last) -> list:
     make = ev.make
     out = []
-    at = 0
+    at = 0  # next seq/step offset
+    fat = 0  # next out-of-line float
+    aat = 0  # next array
     for code, k, ts, entries in groups:
         cls = classes[code]
         if cls is None:
@@ -734,35 +774,80 @@ def _decode_groups(groups, offs, floats, it, rlists, first, step, classes) -> li
             raise ValueError(f"a {cls.__name__} group has {len(entries)} fields")
         dseq, dstep = offs[at : at + k], offs[at + k : at + 2 * k]
         at += 2 * k
+        if len(dstep) != k:
+            raise ValueError("a block has fewer seq/step offsets than events")
+        # Where each field's values come from: (kind, start): "f"/"a" k out-of-line values from start; "m" the
+        # mixed entry's out-of-line values from start; else JSON. Advances the float and array positions.
         if ts == 0:
-            ts = [next(floats) for _ in range(k)]
+            ts_at = fat
+            fat += k
         elif len(ts) != k:
             raise ValueError(f"{k} {cls.__name__} events have {len(ts)} timestamps")
-        cols = []
-        for (name, is_tuple, is_float), ent in zip(fields, entries):
-            src = floats if is_float else it
-            tup = is_tuple or name in ("rid", "rids")
+        plan = []
+        for (_name, _is_tuple, is_float), ent in zip(fields, entries):
             if type(ent) is int:
                 if ent != 0:
                     raise ValueError(f"bad field entry {ent!r}")
-                col = [next(src) for _ in range(k)]
+                plan.append(("o", fat if is_float else aat))
+                if is_float:
+                    fat += k
+                else:
+                    aat += k
+            elif type(ent) is dict and "m" in ent:
+                plan.append(("m", fat if is_float else aat))
+                m = sum(ent["m"])
+                if is_float:
+                    fat += m
+                else:
+                    aat += m
+            else:
+                plan.append(("j", 0))
+        if wanted is not None and cls not in wanted:
+            continue
+        sel = keep = range(k)
+        if lo is not None or hi is not None or last is not None:
+            a = -(2**62) if lo is None else lo - step
+            b = 2**62 if hi is None else hi - step
+            c = 2**62 if last is None else last - first
+            sel = [i for i in sel if a <= dstep[i] < b and dseq[i] <= c]
+            if not sel:
+                continue
+            keep = set(sel)
+        cols = []
+        for (name, is_tuple, is_float), ent, (how, start) in zip(fields, entries, plan):
+            if how == "o":
+                if is_float:
+                    col = floats[start : start + k]
+                else:
+                    col = [arrays[start + i] if i in keep else None for i in range(k)]
+            elif how == "m":
+                col = []
+                j = start
+                for i, (m, v) in enumerate(zip(ent["m"], ent["v"], strict=True)):
+                    if m:
+                        col.append(floats[j] if is_float else (arrays[j] if i in keep else None))
+                        j += 1
+                    else:
+                        col.append(_tuplify(v) if is_tuple and isinstance(v, list) else v)
             elif type(ent) is dict and "r" in ent:
                 col = [rlists[x] if type(x) is int else (_tuplify(x) if isinstance(x, list) else x) for x in ent["r"]]
             else:
-                if type(ent) is dict:
-                    col = [next(src) if m else v for m, v in zip(ent["m"], ent["v"], strict=True)]
-                else:
-                    col = ent
-                if tup:
+                col = ent
+                if is_tuple or name in ("rid", "rids"):
                     col = [_tuplify(v) if isinstance(v, list) else v for v in col]
                 elif name == "violation":
                     col = [Violation(**v) if isinstance(v, dict) else v for v in col]
             if len(col) != k:
                 raise ValueError(f"{k} {cls.__name__} events have {len(col)} values of {name}")
             cols.append(col)
+        tcol = floats[ts_at : ts_at + k] if ts == 0 else ts
+        if len(tcol) != k:
+            raise ValueError(f"a block has fewer floats than its {cls.__name__} events take")
         names = [f[0] for f in fields]
-        for i, values in enumerate(zip(*cols)) if cols else enumerate([()] * k):
-            out.append(make(cls, first + dseq[i], ts[i], step + dstep[i], dict(zip(names, values))))
+        for i in sel:
+            out.append(make(cls, first + dseq[i], tcol[i], step + dstep[i], {n: c[i] for n, c in zip(names, cols)}))
+    if fat != len(floats) or aat != len(arrays) or at != len(offs):
+        raise ValueError("a block's fields do not take exactly the floats, arrays and offsets it holds")
     return out
 
 
@@ -1506,6 +1591,7 @@ class Recording:
             self._classes = _classes_of(kinds)
             self._codes = {k: i for i, k in enumerate(kinds)}
             self._state_mask = self._mask(_STATE_KINDS)
+            self._state_classes = frozenset(c for c in self._classes if c is not None and c.__name__ in _STATE_KINDS)
         except RecordingError:
             self._conn.close()
             raise
@@ -1632,8 +1718,6 @@ class Recording:
             where.append(f"kinds & {mask} != 0")
         where.append("seq > ?")
         sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS}"
-        lo = -(2**62) if start is None else start
-        hi = 2**62 if stop is None else stop
         after = -(2**62)
         while True:
             with self._read() as conn:
@@ -1641,14 +1725,12 @@ class Recording:
             if not rows:
                 return
             for seq, step, payload in rows:
-                for e in self._decode(seq, step, payload):
-                    if lo <= e.step < hi and (wanted is None or type(e) in wanted):
-                        yield e
+                yield from self._decode(seq, step, payload, wanted, start, stop)
             after = rows[-1][0]
 
-    def _decode(self, seq, step, payload) -> list[ev.Event]:
+    def _decode(self, seq, step, payload, wanted=None, lo=None, hi=None, last=None) -> list[ev.Event]:
         try:
-            return _decode_block(payload, seq, step, self._classes)
+            return _decode_block(payload, seq, step, self._classes, wanted, lo, hi, last)
         except (ValueError, TypeError, KeyError, IndexError, zlib.error, struct.error) as exc:
             raise RecordingError(f"{self.path}: the events from seq {seq} cannot be decoded: {exc}") from exc
 
@@ -1687,7 +1769,7 @@ class Recording:
                     (base_seq + 1 if lo is None else lo, end, self._state_mask),
                 ).fetchall()
         state = self._base(base_seq, snap_rows)
-        events = (e for s, st, p in rows for e in self._decode(s, st, p) if e.seq <= end)
+        events = (e for s, st, p in rows for e in self._decode(s, st, p, self._state_classes, last=end))
         try:
             return replay.apply(state, events, inplace=True)
         except replay.IncompleteHistory as exc:
