@@ -302,17 +302,17 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores one event class: ``get`` reads (seq, step, *fields in dataclass order) from an
-    instance dict (the timestamp is read apart), and each field's role (``roles``, in field order): ``_ARRAY``
+    """How the writer stores one event class: ``columns`` read seq, step and each field (in dataclass order) from
+    an instance dict (the timestamp is read apart), and each field's role (``roles``, in field order): ``_ARRAY``
     (annotated ``Any``: may hold arrays), ``_FLOAT`` (annotated ``float``), ``_RID``, ``_RIDS``, ``_VIOLATION``,
     ``_AVAILABLE`` (a step boundary's) or ``_PLAIN``."""
 
-    __slots__ = ("boundary", "code", "get", "roles")
+    __slots__ = ("boundary", "code", "columns", "roles")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
-        self.get = operator.itemgetter("seq", "step", *[f.name for f in fields])
+        self.columns = tuple(map(operator.itemgetter, ("seq", "step", *[f.name for f in fields])))
         self.boundary = cls is ev.StepBoundary
         roles = []
         for f in fields:
@@ -401,11 +401,8 @@ class _BlockWriter:
         """Event class -> its instance dicts in seq order, from ``chunks`` (C-level slices, chains and a numpy
         sort: no Python work per event), without the events of class ``skip``."""
         chunks = self.chunks
-        if len(chunks) == 1:
-            classes, dicts = chunks[0][0::2], chunks[0][1::2]
-        else:
-            classes = list(itertools.chain.from_iterable([c[0::2] for c in chunks]))
-            dicts = list(itertools.chain.from_iterable([c[1::2] for c in chunks]))
+        flat = chunks[0] if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
+        classes, dicts = flat[0::2], flat[1::2]
         kinds = dict.fromkeys(classes)
         if len(kinds) == 1:
             groups = {classes[0]: dicts}
@@ -453,7 +450,7 @@ class _BlockWriter:
         for cls, ds in self._groups().items():
             p = _PLANS.get(cls) or _plan(cls)
             n = len(ds)
-            cols = list(zip(*map(p.get, ds)))
+            cols = [list(map(get, ds)) for get in p.columns]
             seq_col, step_col = cols[0], cols[1]
             seqs.append(np.array(seq_col, dtype=np.int64))
             steps.append(np.array(step_col, dtype=np.int64))
