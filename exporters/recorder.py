@@ -646,7 +646,8 @@ _DTYPE_JSON: dict = {}
 _DTYPE_OF = operator.attrgetter("dtype")
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 _NDIM_OF = operator.attrgetter("ndim")
-# (kinds, counts JSON) of a block by its events' kind codes in order (any thread: the values only depend on the key).
+# (kinds, counts JSON) of a segment by the bytes of its events' kind codes (int64, in seq order); any thread: the values
+# only depend on the key.
 _COUNTS: dict = {}
 _BIG_ENDIAN = sys.byteorder == "big"
 
