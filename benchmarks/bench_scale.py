@@ -116,15 +116,20 @@ def replicate(src: Path, dst: Path, copies: int) -> int:
         conn.execute("PRAGMA journal_mode = OFF")
         conn.execute("PRAGMA synchronous = OFF")
         seq_span = conn.execute("SELECT max(last) FROM blocks").fetchone()[0] + 1
-        step_span = conn.execute("SELECT max(step) FROM blocks").fetchone()[0] + 1
+        step_span = conn.execute("SELECT max(last_step) FROM blocks").fetchone()[0] + 1
         conn.execute("BEGIN")
         for k in range(1, copies):
             ds, dt = k * seq_span, k * step_span
-            # A block's events carry their seq relative to the block's and the block's step: shifting the columns
-            # shifts its events.
+            # A block's events carry their seq and step relative to the block's: shifting the columns shifts its
+            # events.
             conn.execute(
-                "INSERT INTO blocks SELECT seq + ?1, last + ?1, step + ?2, n, kinds, counts, boundary + ?1, "
-                "available, payload FROM blocks WHERE seq < ?3",
+                "INSERT INTO blocks SELECT seq + ?1, last + ?1, step + ?2, last_step + ?2, n, kinds, payload "
+                "FROM blocks WHERE seq < ?3",
+                (ds, dt, seq_span),
+            )
+            conn.execute(
+                "INSERT INTO segments SELECT seq + ?1, last + ?1, step + ?2, n, kinds, counts, boundary + ?1, "
+                "available, block + ?1 FROM segments WHERE seq < ?3",
                 (ds, dt, seq_span),
             )
             conn.execute(

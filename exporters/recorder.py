@@ -14,12 +14,15 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   waited for; their page changes come in later events). A background writer thread owns the SQLite connection
   and does all encoding (off the engine's call path) and I/O. Construct and ``close()`` on the engine thread (or
   while no allocator call is in flight); ``close()`` also runs at interpreter exit if it was not called.
-- File (format version 3): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
-  ``meta``, ``blocks``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``). Events are stored in blocks,
-  one row each: the consecutive events of one step (at most one step boundary, ``_BLOCK_EVENTS`` events), encoded
-  together (``_BlockWriter``), with the columns the queries need (seq range, step, event count, kinds and count
-  per kind, the boundary's seq and ``available``); ``rids`` holds (block, request id, step) for the events stored
-  under one request id. A reader opens version 3 only: another version raises ``RecordingVersionError`` naming
+- File (format version 4): SQLite in WAL mode (a ``Recording`` can follow it while it is written), tables
+  ``meta``, ``blocks``, ``segments``, ``kindsets``, ``rids``, ``violations``, ``snapshots`` (see ``_SCHEMA``).
+  Events are stored in blocks, one row each: consecutive events of one or more steps (at most ``_BLOCK_EVENTS``;
+  a block is closed before every commit, and a snapshot's step boundary starts a new one), encoded together, kind
+  by kind (``_BlockWriter``), with their seq and step range, event count and kinds. ``segments`` holds one row
+  per step of a block (the block's events of that step, with at most one step boundary) with the columns the
+  queries need (seq range, step, event count, kinds and count per kind, the boundary's seq and ``available``,
+  the block), so that they never read a payload; ``rids`` holds (block, request id, step) for the events stored
+  under one request id. A reader opens version 4 only: another version raises ``RecordingVersionError`` naming
   the file and both versions (``overwrite=True`` may still replace such a file). ``close()`` switches a finished
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
@@ -65,9 +68,11 @@ from __future__ import annotations
 
 import array
 import atexit
+import bisect
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import operator
@@ -80,7 +85,7 @@ import threading
 import time
 import urllib.parse
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,13 +100,15 @@ from instrumented_alloc.replay import EventsLost, ReplayState
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 FORMAT = "instrumented-alloc-recording"
-FORMAT_VERSION = 3  # 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64
+# 2: events stored in blocks (about one row per step); 3: a block's timestamps packed as float64; 4: a block spans
+# several steps and is encoded kind by kind, column by column; one ``segments`` row per step of a block.
+FORMAT_VERSION = 4
 SINK_NAME = "recorder"
 
 _COMMIT_ROWS = 5000  # events written since the last commit that force one
 _COMPRESS_OVER = 4096  # block bodies larger than this many bytes are deflated
 _PACK_COMPRESS_OVER = 512  # snapshot ledger documents larger than this many bytes are zlib-compressed
-_BLOCK_EVENTS = 512  # events of one block at most
+_BLOCK_EVENTS = 512  # events of one block at most (a block is also closed before every commit)
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
@@ -109,12 +116,16 @@ _POLL = 0.05  # seconds between the writer's looks at the queue when nothing wok
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE blocks (
-    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
-    kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, payload BLOB NOT NULL
+    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, last_step INTEGER NOT NULL,
+    n INTEGER NOT NULL, kinds INTEGER NOT NULL, payload BLOB NOT NULL
 );
-CREATE INDEX blocks_step ON blocks (step, n);
-CREATE INDEX blocks_boundary ON blocks (step, boundary, available) WHERE boundary IS NOT NULL;
-CREATE INDEX blocks_kinds ON blocks (kinds, step, counts);
+CREATE TABLE segments (
+    seq INTEGER PRIMARY KEY, last INTEGER NOT NULL, step INTEGER NOT NULL, n INTEGER NOT NULL,
+    kinds INTEGER NOT NULL, counts TEXT NOT NULL, boundary INTEGER, available TEXT, block INTEGER NOT NULL
+);
+CREATE INDEX segments_step ON segments (step, block);
+CREATE INDEX segments_boundary ON segments (step, boundary, available) WHERE boundary IS NOT NULL;
+CREATE INDEX segments_kinds ON segments (kinds, step, counts);
 CREATE TABLE kindsets (kinds INTEGER PRIMARY KEY);
 CREATE TABLE rids (block INTEGER NOT NULL, rid NOT NULL, step INTEGER NOT NULL);
 CREATE INDEX rids_rid ON rids (rid, step);
@@ -129,10 +140,11 @@ CREATE TABLE snapshots (
 );
 CREATE INDEX snapshots_step ON snapshots (step);
 """
-_TABLES = frozenset({"meta", "blocks", "kindsets", "rids", "violations", "snapshots"})
-# The indexes answer the readers' aggregates without reading the blocks' payloads: blocks_step (step, n) the step
-# ranges and event_count, blocks_boundary the step boundaries (state_at, steps, step_series), blocks_kinds with
-# kindsets (every ``kinds`` bit set a block has) event_counts and events(kinds=...) by seeks, not scans.
+_TABLES = frozenset({"meta", "blocks", "segments", "kindsets", "rids", "violations", "snapshots"})
+# The segments' indexes answer the readers' aggregates without reading the blocks' payloads: segments_step
+# (step, block) the step ranges and the blocks holding a step range (events), segments_boundary the step boundaries
+# (state_at, steps, step_series), segments_kinds with kindsets (every ``kinds`` bit set a segment has) event_counts
+# by seeks, not scans. Blocks are found by seq (their primary key).
 # Event kinds that change the replayed state (replay.py); blocks without any are skipped by state_at's query.
 _STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
 _RESERVED_META = frozenset(
@@ -290,26 +302,43 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores one event class: ``get`` reads (seq, *fields in dataclass order) from an instance
-    dict (the timestamp is read apart); the row positions (2 + field index) of the fields that may hold arrays
-    (annotated ``Any``), of the fields annotated ``float``, of ``rid``, of a ``rids`` tuple and of a ``violation``."""
+    """How the writer stores one event class: ``columns`` read seq, step and each field (in dataclass order) from
+    an instance dict (the timestamp is read apart), and each field's role (``roles``, in field order): ``_ARRAY``
+    (annotated ``Any``: may hold arrays), ``_FLOAT`` (annotated ``float``), ``_RID``, ``_RIDS``, ``_VIOLATION``,
+    ``_AVAILABLE`` (a step boundary's) or ``_PLAIN``."""
 
-    __slots__ = ("arrays", "boundary", "code", "floats", "get", "rid", "rids", "violation")
+    __slots__ = ("boundary", "code", "columns", "roles")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
-        names = [f.name for f in fields]
-        self.get = operator.itemgetter("seq", *names) if names else (lambda d: (d["seq"],))
-        self.arrays = tuple(2 + i for i, f in enumerate(fields) if f.type in ("Any", Any))
-        self.floats = tuple(2 + i for i, f in enumerate(fields) if f.type in ("float", float))
-        self.rid = 2 + names.index("rid") if "rid" in names else None
-        self.rids = 2 + names.index("rids") if "rids" in names else None
-        self.violation = 2 + names.index("violation") if "violation" in names else None
+        self.columns = tuple(map(operator.itemgetter, ("seq", "step", *[f.name for f in fields])))
         self.boundary = cls is ev.StepBoundary
+        roles = []
+        for f in fields:
+            if f.name == "rid":
+                roles.append(_RID)
+            elif f.name == "rids":
+                roles.append(_RIDS)
+            elif f.name == "violation":
+                roles.append(_VIOLATION)
+            elif f.name == "available" and self.boundary:
+                roles.append(_AVAILABLE)
+            elif f.type in ("Any", Any):
+                roles.append(_ARRAY)
+            elif f.type in ("float", float):
+                roles.append(_FLOAT)
+            else:
+                roles.append(_PLAIN)
+        self.roles = tuple(roles)
 
 
+_PLAIN, _ARRAY, _FLOAT, _RID, _RIDS, _VIOLATION, _AVAILABLE = range(7)
 _PLANS: dict[type, _Plan] = {}
+_NONE_TYPE = type(None)
+_RID_TYPES = frozenset({str, int, _NONE_TYPE})  # request ids stored as they are (bool is not among them)
+_TS_OF = operator.itemgetter("ts")
+_SEQ_OF = operator.attrgetter("seq")
 
 
 def _plan(cls: type) -> _Plan:
@@ -320,20 +349,30 @@ def _plan(cls: type) -> _Plan:
 
 
 class _BlockWriter:
-    """The events of one block as they are added (writer thread), then its row (``row()``).
+    """The events of one block as they are added (writer thread: ``add``, or ``groups``/``n`` directly), then its
+    row (``row()``) and its segments.
 
-    A block holds consecutive events of ONE step (``step``), at most one ``StepBoundary`` (``boundary``: its seq,
-    ``available``: its JSON) and at most ``_BLOCK_EVENTS`` events. Its payload: b"D" + raw deflate of the body
-    (level 1, ending in a full flush) when that pays (bodies over ``_COMPRESS_OVER`` bytes), else b"B" + body;
-    body = u32 header length + header JSON + the events' timestamps as little-endian float64 (one per event, in
-    order; absent when the header has ``t``) + the values of the events' float fields stored out of line
-    (little-endian float64, ``f`` of them, in event and field order) + the little-endian bytes of every array of
+    A block holds consecutive events (of one or more steps; steps never decrease with seq) and at most
+    ``_BLOCK_EVENTS`` events. ``add`` only files an event's instance dict under its class; ``row()`` encodes the
+    block kind by kind, column by column (C-level maps, zips and numpy, not a Python loop per event).
+    Its events are cut into segments: the consecutive events of one step in the block, with at most one
+    ``StepBoundary`` (its seq and ``available``, as JSON); each segment is a row of the ``segments`` table
+    (``segments``, filled by ``row()``), which the queries read instead of the payloads.
+    Its payload: b"D" + raw deflate of the body (level 1, ending in a full flush) when that pays (bodies over
+    ``_COMPRESS_OVER`` bytes), else b"B" + body;
+    body = u32 header length + header JSON + the floats stored out of line (little-endian float64, ``f`` of them)
+    + each event's seq and step offsets (little-endian, dtype ``x``) + the little-endian bytes of every array of
     the block, concatenated.
-    Header: ``e``: one ``[code, seq - the block's first seq, *fields]`` per event (fields in dataclass order;
-    an array or a float field's float as null, a ``rids`` tuple as its index in ``r``), followed, when some
-    fields are out of line, by the bit mask of those fields (a field annotated ``float``: the next float; else the
-    next array); ``t`` (only when some timestamp is not a float): the timestamps, in JSON; ``f`` (only when not 0):
-    the count of out-of-line floats;
+    Header: ``g``: one ``[code, n, ts, [entry per field]]`` per kind of the block (fields in dataclass order), its
+    ``n`` events in seq order; ``ts``: 0 when its timestamps are floats stored out of line, else their JSON list;
+    a field's entry: 0 when every value is out of line (a field annotated ``float``: its floats; else its arrays);
+    a list: the values in JSON (a request id through ``_rid``, a violation as its dict); ``{"r": [...]}`` (a
+    ``rids`` field): a tuple as its index in ``r``, an int as its repr, anything else as it is; ``{"m": [...],
+    "v": [...]}``: 1 where the value is out of line, else 0 and the value in ``v``.
+    The out-of-line floats, offsets and arrays are taken kind by kind in ``g``'s order: for each kind its
+    timestamps (when 0), then its float fields' floats, field by field; its ``n`` seq offsets (seq - the block's
+    first seq), then its ``n`` step offsets (step - the block's step); its array fields' arrays, field by field.
+    ``f``: the count of out-of-line floats; ``x``: the dtype of the offsets;
     ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
@@ -341,88 +380,42 @@ class _BlockWriter:
     that holds every value of the block. (Timestamps are binary because the shortest repr of a float, which JSON
     writes, costs more than the rest of an event's encoding; durations likewise.)"""
 
-    __slots__ = (
-        "arrays", "available", "boundary", "first", "floats", "rid_cache", "rids", "rindex", "rjson", "rows", "step",
-        "ts",
-    )  # fmt: skip
+    __slots__ = ("chunks", "first", "n", "rid_cache", "rids", "segments", "skip", "step")
 
-    def __init__(self, step: int, first: int, rid_cache: dict | None):
-        self.step = step
+    def __init__(self, step: int, first: int, rid_cache: dict | None, skip: type | None = None):
+        self.step = step  # the step and seq of the block's first event (row() sets them from its events)
         self.first = first
-        self.boundary = None
-        self.available = None
-        self.rows: list = []
-        self.ts: list = []
-        self.floats: list = []  # the float fields stored out of the JSON, in event order
-        self.arrays: list = []
-        self.rids: set = set()  # the request ids the block's events are stored under (the rids table)
-        self.rindex: dict = {}  # id(rids tuple) -> (its index in rjson, the tuple)
-        self.rjson: list = []
+        self.chunks: list = []  # flat [class, instance dict, ...] lists (sequences), in seq order
+        self.n = 0  # events in chunks (row() leaves out those of class ``skip``)
+        self.skip = skip
+        self.segments: list = []  # filled by row()
+        self.rids: set = set()  # (request id, step) the block's events are stored under (the rids table): row()
         self.rid_cache = rid_cache
 
-    @property
-    def n(self) -> int:
-        return len(self.rows)
-
     def add(self, cls: type, d: Mapping) -> None:
-        """Add one event given as its class and instance dict (its step must be ``self.step``)."""
-        p = _PLANS.get(cls) or _plan(cls)
-        row = [p.code, *p.get(d)]
-        row[1] -= self.first
-        self.ts.append(d["ts"])
-        mask = 0
-        for i in p.arrays:
-            v = row[i]
-            if isinstance(v, np.ndarray):
-                self.arrays.append(v)
-                row[i] = None
-                mask |= 1 << (i - 2)
-        for i in p.floats:
-            v = row[i]
-            if type(v) is float:
-                self.floats.append(v)
-                row[i] = None
-                mask |= 1 << (i - 2)
-        rid = None
-        i = p.rid
-        if i is not None:
-            row[i] = rid = _rid(row[i])
-        i = p.rids
-        if i is not None:
-            rids = row[i]
-            if type(rids) is tuple:
-                hit = self.rindex.get(id(rids))
-                if hit is not None and hit[1] is rids:
-                    k = hit[0]
-                else:
-                    k = len(self.rjson)
-                    self.rindex[id(rids)] = (k, rids)  # holds the tuple: its id is not reused within the block
-                    self.rjson.append(self._rids_json(rids))
-                row[i] = k
-                if len(rids) == 1:
-                    rid = _rid(rids[0])
-            elif isinstance(rids, int):
-                row[i] = repr(rids)  # an int here would read as an index into "r"
-        i = p.violation
-        if i is not None:
-            v = row[i]
-            if isinstance(v, Violation):
-                row[i] = _violation_doc(v)
-                rid = _rid(v.rid)
-        if mask:
-            row.append(mask)
-        self.rows.append(row)
-        if rid is not None:
-            self.rids.add(rid)
-        if p.boundary:
-            self.boundary = d["seq"]
-            av = d["available"]
-            if type(av) is dict and any(type(v) is not int for v in av.values()):
-                # numpy integers as ints once, here (as JSON would read them back), so that both encodings of
-                # the dict (in the row and in the column) stay in the C encoder, not its Python default hook.
-                av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
-                row[2] = av
-            self.available = _json(av)
+        """Add one event given as its class and instance dict (in seq order)."""
+        self.chunks.append((cls, d))
+        self.n += 1
+
+    def _groups(self) -> dict:
+        """Event class -> its instance dicts in seq order, from ``chunks`` (C-level slices, chains and a numpy
+        sort: no Python work per event), without the events of class ``skip``."""
+        chunks = self.chunks
+        flat = chunks[0] if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
+        classes, dicts = flat[0::2], flat[1::2]
+        kinds = dict.fromkeys(classes)
+        if len(kinds) == 1:
+            groups = {classes[0]: dicts}
+        else:
+            local = {c: i for i, c in enumerate(kinds)}
+            codes = np.fromiter(map(local.__getitem__, classes), np.intp, len(classes))
+            ordered = operator.itemgetter(*np.argsort(codes, kind="stable").tolist())(dicts)
+            ends = np.cumsum(np.bincount(codes, minlength=len(local))).tolist()
+            groups = {c: ordered[a:b] for c, a, b in zip(kinds, [0, *ends[:-1]], ends)}
+        if self.skip is not None:
+            groups.pop(self.skip, None)
+        self.n = sum(map(len, groups.values()))
+        return groups
 
     def _rids_json(self, rids: tuple) -> str:
         """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
@@ -441,14 +434,121 @@ class _BlockWriter:
         return out
 
     def row(self, deflate=None) -> tuple:
-        """(seq, last, step, n, kinds, counts, boundary, available, payload) of the ``blocks`` table.
-        ``deflate``: the writer's raw deflate compressor (``_deflater()``), reused from block to block (a new one
-        costs more than compressing a block): every block ends with a full flush, so each decompresses alone."""
-        rows = self.rows
+        """(seq, last, step, last_step, n, kinds, payload) of the ``blocks`` table; ``segments`` then holds the
+        block's rows of the ``segments`` table, (seq, last, step, n, kinds, counts, boundary, available, block),
+        and ``rids`` its (request id, step) pairs. ``deflate``: the writer's raw deflate compressor
+        (``_deflater()``), reused from block to block (a new one costs more than compressing a block): every block
+        ends with a full flush, so each decompresses alone."""
+        heads = []
+        floats: list = []  # sequences of floats, concatenated
+        arrays: list = []
+        seqs, steps, codes = [], [], []
+        rjson: list = []
+        rindex: dict = {}  # id(rids tuple) -> its index in rjson (every tuple is held by the block's dicts)
+        pairs = self.rids
+        available: dict = {}  # a boundary's seq -> its available, as JSON
+        for cls, ds in self._groups().items():
+            p = _PLANS.get(cls) or _plan(cls)
+            n = len(ds)
+            cols = [list(map(get, ds)) for get in p.columns]
+            seq_col, step_col = cols[0], cols[1]
+            seqs.append(np.array(seq_col, dtype=np.int64))
+            steps.append(np.array(step_col, dtype=np.int64))
+            codes.append(np.full(n, p.code, np.int64))
+            ts = list(map(_TS_OF, ds))
+            if set(map(type, ts)) == {float}:
+                floats.append(ts)
+                ts = 0
+            entries = []
+            for role, col in zip(p.roles, cols[2:]):
+                types = set(map(type, col))
+                if role in (_ARRAY, _FLOAT):
+                    kind = np.ndarray if role == _ARRAY else float
+                    if types == {kind}:
+                        (arrays if role == _ARRAY else floats).append(col)
+                        entries.append(0)
+                        continue
+                    if role == _ARRAY:
+                        out_of_line = [isinstance(v, np.ndarray) for v in col]
+                    else:
+                        out_of_line = [type(v) is float for v in col]
+                    if any(out_of_line):
+                        (arrays if role == _ARRAY else floats).append([v for v, m in zip(col, out_of_line) if m])
+                        values = [None if m else v for v, m in zip(col, out_of_line)]
+                        entries.append({"m": [int(m) for m in out_of_line], "v": values})
+                        continue
+                    entries.append(list(col))
+                elif role == _RIDS:
+                    if types == {tuple}:
+                        ids = list(map(id, col))
+                        single = {}  # id -> the request id of a one-request tuple
+                        for k, t in dict(zip(ids, col)).items():
+                            if k not in rindex:
+                                rindex[k] = len(rjson)
+                                rjson.append(self._rids_json(t))
+                            if len(t) == 1:
+                                single[k] = _rid(t[0])
+                        if single:
+                            pairs.update((single[k], s) for k, s in zip(ids, step_col) if k in single)
+                        entries.append({"r": list(map(rindex.__getitem__, ids))})
+                    else:
+                        values = []
+                        for t, s in zip(col, step_col):
+                            if type(t) is tuple:
+                                if id(t) not in rindex:
+                                    rindex[id(t)] = len(rjson)
+                                    rjson.append(self._rids_json(t))
+                                if len(t) == 1:
+                                    pairs.add((_rid(t[0]), s))
+                                values.append(rindex[id(t)])
+                            elif isinstance(t, int):
+                                values.append(repr(t))  # an int here would read as an index into "r"
+                            else:
+                                values.append(t)
+                        entries.append({"r": values})
+                elif role == _RID:
+                    if not types <= _RID_TYPES:
+                        col = list(map(_rid, col))
+                    if types != {_NONE_TYPE}:
+                        pairs.update((r, s) for r, s in zip(col, step_col) if r is not None)
+                    entries.append(list(col))
+                elif role == _VIOLATION:
+                    values = []
+                    for v, s in zip(col, step_col):
+                        if isinstance(v, Violation):
+                            r = _rid(v.rid)
+                            if r is not None:
+                                pairs.add((r, s))
+                            v = _violation_doc(v)
+                        values.append(v)
+                    entries.append(values)
+                elif role == _AVAILABLE:
+                    values = []
+                    for av, q in zip(col, seq_col):
+                        if type(av) is dict and any(type(v) is not int for v in av.values()):
+                            # numpy integers as ints once, here (as JSON would read them back), so that both
+                            # encodings (in the payload and in the column) stay in the C encoder.
+                            av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
+                        values.append(av)
+                        available[q] = _json(av)
+                    entries.append(values)
+                else:
+                    entries.append(list(col))
+            heads.append([p.code, n, ts, entries])
+        seq = np.concatenate(seqs)
+        step = np.concatenate(steps)
+        at = int(np.argmin(seq))
+        first, bstep = int(seq[at]), int(step[at])
+        self.first, self.step = first, bstep
+        # Per kind: its n seq offsets, then its n step offsets.
+        offs = np.concatenate([x for s, t in zip(seqs, steps) for x in (s - first, t - bstep)])
+        lo, hi = int(_MIN(offs)), int(_MAX(offs))
+        xstore = "<i4" if lo >= _I4_MIN and hi <= _I4_MAX else "<i8"
+        iseg = offs.astype(xstore).tobytes()
         seg = b""
         ameta = "[]"
-        arrays = self.arrays
         if arrays:
+            arrays = [a for col in arrays for a in col]
             # A step that frees many requests has hundreds of tiny arrays: the checks run per distinct dtype and
             # ndim, and the per-array work stays in C (map, set) rather than in Python loops.
             dtypes = list(map(_DTYPE_OF, arrays))
@@ -460,10 +560,10 @@ class _BlockWriter:
                 else:
                     flat = np.concatenate(arrays if flat_1d else [a.ravel() for a in arrays])
                 # The ufuncs' own reduce: ndarray.min/max go through a Python wrapper that costs as much again.
-                lo, hi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
-                if lo >= _I2_MIN and hi <= _I2_MAX:
+                alo, ahi = (int(_MIN(flat)), int(_MAX(flat))) if flat.size else (0, 0)
+                if alo >= _I2_MIN and ahi <= _I2_MAX:
                     store = "<i2"
-                elif lo >= _I4_MIN and hi <= _I4_MAX:
+                elif alo >= _I4_MIN and ahi <= _I4_MAX:
                     store = "<i4"
                 else:
                     store = "<i8"
@@ -478,39 +578,67 @@ class _BlockWriter:
                 stores = [d.newbyteorder("<") for d in dtypes]
                 seg = b"".join(np.ascontiguousarray(a, dtype=st).tobytes() for a, st in zip(arrays, stores))
                 ameta = _json([[d.str, st.str, a.shape] for d, st, a in zip(dtypes, stores, arrays)])
-        ts = self.ts
-        if all(type(t) is float for t in ts):
-            tpart = ""
-            fseg = array.array("d", ts)
-        else:  # an int (or other) timestamp reads back as it was given
-            tpart = f',"t":{_json(ts)}'
-            fseg = array.array("d")
-        if self.floats:
-            fseg.extend(self.floats)
-            tpart += f',"f":{len(self.floats)}'
+        fseg = array.array("d")
+        for f in floats:
+            fseg.extend(f)
         if _BIG_ENDIAN:
             fseg.byteswap()
-        tseg = fseg.tobytes()
-        head = f'{{"e":{_json(rows)}{tpart},"r":[{",".join(self.rjson)}],"a":{ameta}}}'.encode()
-        body = b"".join((struct.pack("<I", len(head)), head, tseg, seg))
+        head = f'{{"g":{_json(heads)},"f":{len(fseg)},"x":"{xstore}","r":[{",".join(rjson)}],"a":{ameta}}}'.encode()
+        body = b"".join((struct.pack("<I", len(head)), head, fseg.tobytes(), iseg, seg))
         payload = b"B" + body
         if len(body) > _COMPRESS_OVER:
             d = deflate or _deflater()
             z = d.compress(body) + d.flush(zlib.Z_FULL_FLUSH)
             if len(z) < len(body):
                 payload = b"D" + z
-        codes = tuple([r[0] for r in rows])
-        hit = _COUNTS.get(codes)  # a decode step repeats the same kinds in the same order, block after block
-        if hit is None:
-            counts = collections.Counter(codes)
-            kinds = 0
-            for code in counts:
-                kinds |= 1 << code
-            if len(_COUNTS) >= 1024:
-                _COUNTS.clear()
-            hit = _COUNTS[codes] = (kinds, _json(counts))
-        last = self.first + rows[-1][1]
-        return (self.first, last, self.step, len(rows), hit[0], hit[1], self.boundary, self.available, payload)
+        self.segments, kinds = self._segments(seq, step, np.concatenate(codes), available)
+        order_last = int(_MAX(seq))
+        return (first, order_last, bstep, int(_MAX(step)), self.n, kinds, payload)
+
+    def _segments(self, seq, step, codes, available: dict) -> tuple[list, int]:
+        """The block's segments (see the class) and the OR of their kinds, from its events' seqs, steps and kind
+        codes (in kind order): numpy finds the step changes; Python runs once per segment."""
+        order = np.argsort(seq, kind="stable")
+        seq, step, codes = seq[order], step[order], codes[order]
+        starts = [0, *(np.flatnonzero(step[1:] != step[:-1]) + 1).tolist()]
+        bseq = sorted(available)
+        bpos = np.searchsorted(seq, np.array(bseq, dtype=np.int64)).tolist() if bseq else []
+        if len(bpos) > 1:  # a second boundary in one segment starts a new one
+            added = []
+            prev = last_cut = -1
+            for i in bpos:
+                seg = max(starts[bisect.bisect_right(starts, i) - 1], last_cut)
+                if seg == prev:
+                    added.append(i)
+                    last_cut = seg = i
+                prev = seg
+            if added:
+                starts = sorted(set(starts).union(added))
+        ends = [*starts[1:], len(seq)]
+        bound: dict = {}  # segment index -> its boundary's seq
+        for i, q in zip(bpos, bseq):
+            bound[bisect.bisect_right(starts, i) - 1] = q
+        seql, stepl = seq.tolist(), step.tolist()
+        block = self.first
+        kinds = 0
+        out = []
+        for j, (a, b) in enumerate(zip(starts, ends)):
+            key = codes[a:b].tobytes()
+            hit = _COUNTS.get(key)  # a decode step repeats the same kinds, step after step
+            if hit is None:
+                counts = collections.Counter(codes[a:b].tolist())
+                k = 0
+                for code in counts:
+                    k |= 1 << code
+                if len(_COUNTS) >= 1024:
+                    _COUNTS.clear()
+                hit = _COUNTS[key] = (k, _json(counts))
+            kinds |= hit[0]
+            q = bound.get(j)
+            out.append(
+                (seql[a], seql[b - 1], stepl[a], b - a, hit[0], hit[1], q, None if q is None else available[q], block)
+            )
+        return out, kinds
 
 
 _DTYPE_STR: dict = {}
@@ -518,7 +646,8 @@ _DTYPE_JSON: dict = {}
 _DTYPE_OF = operator.attrgetter("dtype")
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 _NDIM_OF = operator.attrgetter("ndim")
-# (kinds, counts JSON) of a block by its events' kind codes in order (any thread: the values only depend on the key).
+# (kinds, counts JSON) of a segment by the bytes of its events' kind codes (int64, in seq order); any thread: the values
+# only depend on the key.
 _COUNTS: dict = {}
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -542,9 +671,20 @@ def _deflater():
     return zlib.compressobj(1, zlib.DEFLATED, -15)
 
 
-def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> list[ev.Event]:
-    """The events of one block row (inverse of ``_BlockWriter``); ``classes``: the event class of each kind code
-    (``_classes_of`` the file's meta ``kinds``)."""
+def _decode_block(
+    payload: bytes,
+    first: int,
+    step: int,
+    classes: Sequence,
+    wanted: Container | None = None,
+    lo: int | None = None,
+    hi: int | None = None,
+    last: int | None = None,
+) -> list[ev.Event]:
+    """The events of one block row (inverse of ``_BlockWriter``; ``first`` and ``step``: its seq and step columns),
+    in seq order; ``classes``: the event class of each kind code (``_classes_of`` the file's meta ``kinds``).
+    Only those of a class in ``wanted`` (None: every class), with ``lo <= step < hi`` and ``seq <= last`` (None:
+    unbounded) are built: the others' arrays are never copied out of the payload."""
     tag = payload[:1]
     if tag == b"D":
         body = zlib.decompressobj(-15).decompress(payload[1:])
@@ -554,60 +694,158 @@ def _decode_block(payload: bytes, first: int, step: int, classes: Sequence) -> l
         raise ValueError(f"unknown block encoding {tag!r}")
     (n,) = struct.unpack_from("<I", body, 0)
     doc = json.loads(body[4 : 4 + n])
-    rows = doc["e"]
+    groups = doc["g"]
     pos = 4 + n
-    ts = doc.get("t")
-    if ts is None:
-        ts = np.frombuffer(body, dtype="<f8", count=len(rows), offset=pos).tolist()
-        pos += 8 * len(rows)
-    elif len(ts) != len(rows):
-        raise ValueError(f"a block of {len(rows)} events has {len(ts)} timestamps")
-    nfl = doc.get("f", 0)
-    floats = iter(np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist())
+    nfl = doc["f"]
+    floats = np.frombuffer(body, dtype="<f8", count=nfl, offset=pos).tolist()
     pos += 8 * nfl
-    arrays = []
-    start = pos
-    ameta = doc["a"]
-    if ameta and isinstance(ameta[0], str):  # the 1-D integer form
-        store, dtypes, lens = ameta
-        ameta = [(d, store, (k,)) for d, k in zip(dtypes, lens, strict=True)]
-    for dtype, store, shape in ameta:
-        st = _LE.get(store) or np.dtype(store)
-        count = 1
-        for k in shape:
-            count *= k
-        a = np.frombuffer(body, dtype=st, count=count, offset=pos).reshape(shape)
-        arrays.append(a.astype(np.dtype(dtype).newbyteorder("=")))
-        pos += count * st.itemsize
-    if pos != len(body):
-        raise ValueError(f"block arrays take {pos - start} bytes, the block has {len(body) - start}")
+    total = 0
+    for g in groups:
+        total += g[1]
+    xst = _LE.get(doc["x"]) or np.dtype(doc["x"])
+    offs = np.frombuffer(body, dtype=xst, count=2 * total, offset=pos).tolist()
+    pos += 2 * total * xst.itemsize
+    arrays = _Arrays(body, pos, doc["a"])
     rlists = [tuple(_tuplify(r) for r in rs) for rs in doc["r"]]
-    out = []
-    it = iter(arrays)
+    out = _decode_groups(groups, offs, floats, arrays, rlists, first, step, classes, wanted, lo, hi, last)
+    out.sort(key=_SEQ_OF)
+    return out
+
+
+class _Arrays:
+    """The arrays of a block body, each copied out (to its own dtype, native byte order) only when asked for."""
+
+    __slots__ = ("body", "flat", "meta", "offsets")
+
+    def __init__(self, body: bytes, pos: int, ameta):
+        self.body = body
+        self.flat = None
+        if ameta and isinstance(ameta[0], str):  # the 1-D integer form: one run of the stored dtype
+            store, dtypes, lens = ameta
+            if len(dtypes) != len(lens):
+                raise ValueError("block array dtypes and lengths differ in number")
+            st = _LE.get(store) or np.dtype(store)
+            ends = np.cumsum(np.asarray(lens, dtype=np.int64)).tolist() if lens else []
+            count = ends[-1] if ends else 0
+            self.flat = np.frombuffer(body, dtype=st, count=count, offset=pos)
+            self.offsets = [0, *ends]
+            self.meta = dtypes
+            pos += count * st.itemsize
+        else:
+            self.meta = []
+            self.offsets = []
+            for dtype, store, shape in ameta:
+                st = _LE.get(store) or np.dtype(store)
+                count = 1
+                for k in shape:
+                    count *= k
+                self.meta.append((dtype, st, count, tuple(shape)))
+                self.offsets.append(pos)
+                pos += count * st.itemsize
+        if pos != len(body):
+            raise ValueError(f"block arrays end at byte {pos}, the block has {len(body)}")
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.flat is not None:
+            a = self.flat[self.offsets[i] : self.offsets[i + 1]]
+            return a.astype(np.dtype(self.meta[i]).newbyteorder("="))
+        dtype, st, count, shape = self.meta[i]
+        a = np.frombuffer(self.body, dtype=st, count=count, offset=self.offsets[i]).reshape(shape)
+        return a.astype(np.dtype(dtype).newbyteorder("="))
+
+
+def _decode_groups(groups, offs, floats, arrays, rlists, first, step, classes, wanted, lo, hi, last) -> list:
     make = ev.make
-    for row, t in zip(rows, ts):
-        cls = classes[row[0]]
+    out = []
+    at = 0  # next seq/step offset
+    fat = 0  # next out-of-line float
+    aat = 0  # next array
+    for code, k, ts, entries in groups:
+        cls = classes[code]
         if cls is None:
-            raise ValueError(f"unknown event kind code {row[0]}")
+            raise ValueError(f"unknown event kind code {code}")
         fields = _fields_of(cls)
-        nf = len(fields)
-        if len(row) not in (2 + nf, 3 + nf):
-            raise ValueError(f"a {cls.__name__} row has {len(row)} items")
-        mask = row[2 + nf] if len(row) > 2 + nf else 0
-        kw = {}
-        for i, (name, is_tuple, is_float) in enumerate(fields):
-            if mask >> i & 1:
-                v = next(floats) if is_float else next(it)
+        if len(entries) != len(fields):
+            raise ValueError(f"a {cls.__name__} group has {len(entries)} fields")
+        dseq, dstep = offs[at : at + k], offs[at + k : at + 2 * k]
+        at += 2 * k
+        if len(dstep) != k:
+            raise ValueError("a block has fewer seq/step offsets than events")
+        # Where each field's values come from: (kind, start): "f"/"a" k out-of-line values from start; "m" the
+        # mixed entry's out-of-line values from start; else JSON. Advances the float and array positions.
+        if ts == 0:
+            ts_at = fat
+            fat += k
+        elif len(ts) != k:
+            raise ValueError(f"{k} {cls.__name__} events have {len(ts)} timestamps")
+        plan = []
+        for (_name, _is_tuple, is_float), ent in zip(fields, entries):
+            if type(ent) is int:
+                if ent != 0:
+                    raise ValueError(f"bad field entry {ent!r}")
+                plan.append(("o", fat if is_float else aat))
+                if is_float:
+                    fat += k
+                else:
+                    aat += k
+            elif type(ent) is dict and "m" in ent:
+                plan.append(("m", fat if is_float else aat))
+                m = sum(ent["m"])
+                if is_float:
+                    fat += m
+                else:
+                    aat += m
             else:
-                v = row[2 + i]
-                if name == "rids" and type(v) is int:
-                    v = rlists[v]
-                elif isinstance(v, list) and (is_tuple or name in ("rid", "rids")):
-                    v = _tuplify(v)
-            kw[name] = v
-        if isinstance(kw.get("violation"), dict):
-            kw["violation"] = Violation(**kw["violation"])
-        out.append(make(cls, first + row[1], t, step, kw))
+                plan.append(("j", 0))
+        if wanted is not None and cls not in wanted:
+            continue
+        sel = keep = range(k)
+        if lo is not None or hi is not None or last is not None:
+            a = -(2**62) if lo is None else lo - step
+            b = 2**62 if hi is None else hi - step
+            c = 2**62 if last is None else last - first
+            sel = [i for i in sel if a <= dstep[i] < b and dseq[i] <= c]
+            if not sel:
+                continue
+            keep = set(sel)
+        cols = []
+        for (name, is_tuple, is_float), ent, (how, start) in zip(fields, entries, plan):
+            if how == "o":
+                if is_float:
+                    col = floats[start : start + k]
+                else:
+                    col = [arrays[start + i] if i in keep else None for i in range(k)]
+            elif how == "m":
+                col = []
+                j = start
+                for i, (m, v) in enumerate(zip(ent["m"], ent["v"], strict=True)):
+                    if m:
+                        col.append(floats[j] if is_float else (arrays[j] if i in keep else None))
+                        j += 1
+                    else:
+                        col.append(_tuplify(v) if is_tuple and isinstance(v, list) else v)
+            elif type(ent) is dict and "r" in ent:
+                col = [rlists[x] if type(x) is int else (_tuplify(x) if isinstance(x, list) else x) for x in ent["r"]]
+            else:
+                col = ent
+                if is_tuple or name in ("rid", "rids"):
+                    col = [_tuplify(v) if isinstance(v, list) else v for v in col]
+                elif name == "violation":
+                    col = [Violation(**v) if isinstance(v, dict) else v for v in col]
+            if len(col) != k:
+                raise ValueError(f"{k} {cls.__name__} events have {len(col)} values of {name}")
+            cols.append(col)
+        tcol = floats[ts_at : ts_at + k] if ts == 0 else ts
+        if len(tcol) != k:
+            raise ValueError(f"a block has fewer floats than its {cls.__name__} events take")
+        names = [f[0] for f in fields]
+        for i in sel:
+            out.append(make(cls, first + dseq[i], tcol[i], step + dstep[i], {n: c[i] for n, c in zip(names, cols)}))
+    if fat != len(floats) or aat != len(arrays) or at != len(offs):
+        raise ValueError("a block's fields do not take exactly the floats, arrays and offsets it holds")
     return out
 
 
@@ -617,8 +855,9 @@ def encode_event(e: ev.Event, cache: dict | None = None) -> tuple[str, object, b
     block payload of that one event (see ``_BlockWriter``). The writer stores blocks of many events the same way."""
     b = _BlockWriter(e.step, e.seq, cache)
     b.add(type(e), e.__dict__)
-    rid = next(iter(b.rids)) if b.rids else None
-    return type(e).__name__, rid, b.row()[-1]
+    payload = b.row()[-1]
+    rid = next(iter(b.rids))[0] if b.rids else None
+    return type(e).__name__, rid, payload
 
 
 def decode_event(kind: str, seq: int, step: int, ts: float, payload: bytes) -> ev.Event:
@@ -806,6 +1045,7 @@ class FlightRecorder:
         self._block: _BlockWriter | None = None  # the block being filled (writer thread)
         self._deflate = _deflater()
         self._rows: list = []  # encoded blocks not yet inserted (writer thread)
+        self._seg_rows: list = []  # their segments
         self._rid_rows: list = []
         self._vrows: list = []
         self._kindsets: set = set()  # the kinds bit sets already in table kindsets
@@ -929,7 +1169,7 @@ class FlightRecorder:
             self._gap_from = gap_from if gap_from is not None else first
             self._due = True
             return False
-        pending.append((items, snap, lost))
+        pending.append((items, snap, lost, urgent))
         if urgent or len(pending) >= self._wake_at:
             self._wake.set()
         self._gap_from = None
@@ -1040,7 +1280,7 @@ class FlightRecorder:
                         break
             except Exception as exc:
                 self.lost_events += uncommitted
-                self._block, self._rows, self._rid_rows, self._vrows = None, [], [], []
+                self._block, self._rows, self._seg_rows, self._rid_rows, self._vrows = None, [], [], [], []
                 self._kindsets, self._new_kindsets = set(), []
                 self._deflate = _deflater()
                 self._fail(exc)
@@ -1097,10 +1337,30 @@ class FlightRecorder:
             raise OSError(f"the recording file {self.path!r} was deleted or replaced while recording")
         self._retain()
 
-    def _write(self, batch, snap, lost) -> bool:
+    def _write(self, batch, snap, lost, urgent) -> bool:
+        """Add a queued batch (flat [class, instance dict, ...]) to the open block; True when it held a violation
+        (to be committed at once)."""
+        blk = self._block
+        k = len(batch) >> 1
+        if (
+            not urgent
+            and snap is None
+            and lost is None
+            and blk is not None
+            and blk.n + k <= _BLOCK_EVENTS
+            and self._hasher is None
+        ):
+            # The usual batch: filed as it is, encoded with the block (no Python work per event here).
+            blk.chunks.append(batch)
+            blk.n += k
+            self._since_snap_events += k
+            if (self._max_events and self._since_snap_events >= max(1, self._max_events // 2)) or (
+                self._max_bytes and self._since_snap_bytes >= self._max_bytes // 4
+            ):
+                self._want_snapshot = True
+            return False
         vrows = []
         n = 0
-        blk = self._block
         if lost is not None:
             lo, hi = lost
             head = batch[1]
@@ -1110,7 +1370,9 @@ class FlightRecorder:
             blk = self._block_for(blk, EventsLost, head["step"], hi)
             blk.add(EventsLost, marker.__dict__)
             n += 1
-        snapshot, boundary, violation = ev.Snapshot, ev.StepBoundary, ev.ViolationEvent
+        snapshot, violation, boundary = ev.Snapshot, ev.ViolationEvent, ev.StepBoundary
+        # A snapshot's step boundary starts a new block: retention deletes whole blocks, those before a snapshot.
+        cut_at = snap[1] if snap is not None else None
         it = iter(batch)
         redact = self._hasher.event_fields if self._hasher is not None else None
         for cls, d in zip(it, it):
@@ -1118,14 +1380,8 @@ class FlightRecorder:
                 continue
             if redact is not None:
                 d = redact(d)  # every request id as its pseudonym, before anything is encoded
-            step = d["step"]
-            if (
-                blk is None
-                or step != blk.step
-                or len(blk.rows) >= _BLOCK_EVENTS
-                or (cls is boundary and blk.boundary is not None)
-            ):
-                blk = self._block_for(blk, cls, step, d["seq"])
+            if blk is None or blk.n >= _BLOCK_EVENTS or (cls is boundary and d["seq"] == cut_at):
+                blk = self._block_for(blk, cls, d["step"], d["seq"], cut=cls is boundary and d["seq"] == cut_at)
             blk.add(cls, d)
             n += 1
             if cls is violation:
@@ -1135,7 +1391,6 @@ class FlightRecorder:
                 )
         # Inserted by _insert_rows, many blocks in one executemany (before every commit, or _INSERT_ROWS blocks).
         self._vrows.extend(vrows)
-        self._n_events += n
         self._since_snap_events += n
         if snap is not None:
             self._write_snapshot(*snap)
@@ -1145,36 +1400,43 @@ class FlightRecorder:
             self._want_snapshot = True
         return bool(vrows)
 
-    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int) -> _BlockWriter:
+    def _block_for(self, blk: _BlockWriter | None, cls: type, step: int, seq: int, cut: bool = False) -> _BlockWriter:
         """A block that takes an event of ``cls`` at ``step``: ``blk`` when it can, else a new one (``blk`` is
-        closed: one step per block, at most one step boundary, at most ``_BLOCK_EVENTS`` events)."""
+        closed when it holds ``_BLOCK_EVENTS`` events, or with ``cut``)."""
         if blk is not None and blk.n:
-            if step == blk.step and blk.n < _BLOCK_EVENTS and not (cls is ev.StepBoundary and blk.boundary is not None):
+            if blk.n < _BLOCK_EVENTS and not cut:
                 return blk
             self._close_block(blk)
-        blk = self._block = _BlockWriter(step, seq, self._rids_cache)
+        # The wrapper's own Snapshot events are not stored (a batch filed as it is may hold some).
+        blk = self._block = _BlockWriter(step, seq, self._rids_cache, ev.Snapshot)
         return blk
 
     def _close_block(self, blk: _BlockWriter) -> None:
         row = blk.row(self._deflate)
         self._rows.append(row)
-        if row[4] not in self._kindsets:
-            self._kindsets.add(row[4])
-            self._new_kindsets.append((row[4],))
+        self._n_events += row[4]
+        segments = blk.segments
+        self._seg_rows += segments
+        for seg in segments:
+            if seg[4] not in self._kindsets:
+                self._kindsets.add(seg[4])
+                self._new_kindsets.append((seg[4],))
         self._since_snap_bytes += len(row[-1])
         if blk.rids:
-            first, step = blk.first, blk.step
-            self._rid_rows.extend((first, r, step) for r in blk.rids)
+            first = blk.first
+            self._rid_rows.extend((first, r, step) for r, step in blk.rids)
         self._block = None
 
     def _insert_rows(self, close: bool = True) -> None:
         """Insert the encoded blocks (and, with ``close``, the block being filled: before every commit)."""
         if close and self._block is not None and self._block.n:
             self._close_block(self._block)
-        rows, rid_rows, vrows = self._rows, self._rid_rows, self._vrows
-        self._rows, self._rid_rows, self._vrows = [], [], []
+        rows, seg_rows, rid_rows, vrows = self._rows, self._seg_rows, self._rid_rows, self._vrows
+        self._rows, self._seg_rows, self._rid_rows, self._vrows = [], [], [], []
         if rows:
-            self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", rows)
+            self._conn.executemany("INSERT OR IGNORE INTO blocks VALUES (?,?,?,?,?,?,?)", rows)
+        if seg_rows:
+            self._conn.executemany("INSERT OR IGNORE INTO segments VALUES (?,?,?,?,?,?,?,?,?)", seg_rows)
         if rid_rows:
             self._conn.executemany("INSERT INTO rids VALUES (?,?,?)", rid_rows)
         if self._new_kindsets:
@@ -1250,6 +1512,9 @@ class FlightRecorder:
                 "SELECT coalesce(sum(n), 0) FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)
             ).fetchone()[0]
             b = conn.execute("DELETE FROM blocks WHERE seq < ?1 AND last < ?1", (seq,)).rowcount
+            # The segments of the deleted blocks: those before the first kept block (a block's segments lie between
+            # its first seq and its last).
+            conn.execute("DELETE FROM segments WHERE seq < coalesce((SELECT min(seq) FROM blocks), ?1)", (seq,))
             # rids rows are inserted in block order: those of deleted blocks are the rowids before the first row
             # of a kept block (found by a scan in rowid order that stops there).
             conn.execute(
@@ -1324,6 +1589,7 @@ class Recording:
             self._classes = _classes_of(kinds)
             self._codes = {k: i for i, k in enumerate(kinds)}
             self._state_mask = self._mask(_STATE_KINDS)
+            self._state_classes = frozenset(c for c in self._classes if c is not None and c.__name__ in _STATE_KINDS)
         except RecordingError:
             self._conn.close()
             raise
@@ -1394,7 +1660,7 @@ class Recording:
         """(first, last): the range of steps ``state_at`` can answer (first: the oldest kept snapshot)."""
         with self._read() as conn:
             first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-            last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
+            last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
             top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
         if first is None:
             raise RecordingError(f"{self.path}: the recording has no snapshot")
@@ -1422,44 +1688,47 @@ class Recording:
         """Decoded events with ``start <= step < stop`` (None: unbounded), in seq order; ``kinds``: event classes
         or their names. Read in chunks of blocks (each its own read transaction), so a long iteration follows the
         writer."""
-        where, args = _step_range(start, stop)
+        start = None if start is None else int(start)
+        stop = None if stop is None else int(stop)
         wanted = None
+        mask = 0
         if kinds is not None:
             kinds = list(kinds)
             mask = self._mask(kinds)
             if not mask:
                 return
             wanted = {self._classes[c] for c in range(len(self._classes)) if mask >> c & 1}
-            with self._read() as conn:
-                sets = self._kindsets(conn, mask)
-                if not sets:
-                    return
-                cond = f"kinds IN ({','.join(map(str, sets))})"
-                n = conn.execute(f"SELECT count(*) FROM blocks{where}{' AND ' if where else ' WHERE '}{cond}", args)
-                # Few blocks: found by the kinds index (and sorted); many: read in seq order, filtered ("+": no
-                # index), so that each chunk does not sort them all again.
-                if n.fetchone()[0] > 4 * _READ_BLOCKS:
-                    cond = "+" + cond
-            where += (" AND " if where else " WHERE ") + cond
-        where += (" AND " if where else " WHERE ") + "seq > ?"
+        # The blocks from the one holding the first event of the range (segments_step) up to the one holding its
+        # last (found again for each chunk: a long iteration follows the writer); steps never decrease with seq.
+        where, args = [], []
+        if start is not None:
+            where.append(
+                "seq >= coalesce((SELECT block FROM segments WHERE step >= ? ORDER BY step, block LIMIT 1), 1 << 62)"
+            )
+            args.append(start)
+        if stop is not None:
+            where.append(
+                "seq <= coalesce("
+                "(SELECT block FROM segments WHERE step < ? ORDER BY step DESC, block DESC LIMIT 1), -(1 << 62))"
+            )
+            args.append(stop)
+        if mask:
+            where.append(f"kinds & {mask} != 0")
+        where.append("seq > ?")
+        sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS}"
         after = -(2**62)
         while True:
             with self._read() as conn:
-                rows = conn.execute(
-                    f"SELECT seq, step, payload FROM blocks{where} ORDER BY seq LIMIT {_READ_BLOCKS}",
-                    [*args, after],
-                ).fetchall()
+                rows = conn.execute(sql, [*args, after]).fetchall()
             if not rows:
                 return
             for seq, step, payload in rows:
-                for e in self._decode(seq, step, payload):
-                    if wanted is None or type(e) in wanted:
-                        yield e
+                yield from self._decode(seq, step, payload, wanted, start, stop)
             after = rows[-1][0]
 
-    def _decode(self, seq, step, payload) -> list[ev.Event]:
+    def _decode(self, seq, step, payload, wanted=None, lo=None, hi=None, last=None) -> list[ev.Event]:
         try:
-            return _decode_block(payload, seq, step, self._classes)
+            return _decode_block(payload, seq, step, self._classes, wanted, lo, hi, last)
         except (ValueError, TypeError, KeyError, IndexError, zlib.error, struct.error) as exc:
             raise RecordingError(f"{self.path}: the events from seq {seq} cannot be decoded: {exc}") from exc
 
@@ -1470,7 +1739,7 @@ class Recording:
         step = int(step)
         with self._read() as conn:
             end = conn.execute(
-                "SELECT max(boundary) FROM blocks WHERE step = ? AND boundary IS NOT NULL", (step,)
+                "SELECT max(boundary) FROM segments WHERE step = ? AND boundary IS NOT NULL", (step,)
             ).fetchone()[0]
             if end is None:
                 row = conn.execute("SELECT max(seq) FROM snapshots WHERE step = ?", (step,)).fetchone()
@@ -1481,7 +1750,7 @@ class Recording:
             base_seq = row[0]
             if base_seq is None:
                 first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-                last = conn.execute("SELECT max(step) FROM blocks WHERE boundary IS NOT NULL").fetchone()[0]
+                last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
                 last = first if last is None else last
                 raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
             snap_rows = conn.execute(
@@ -1498,7 +1767,7 @@ class Recording:
                     (base_seq + 1 if lo is None else lo, end, self._state_mask),
                 ).fetchall()
         state = self._base(base_seq, snap_rows)
-        events = (e for s, st, p in rows for e in self._decode(s, st, p) if e.seq <= end)
+        events = (e for s, st, p in rows for e in self._decode(s, st, p, self._state_classes, last=end))
         try:
             return replay.apply(state, events, inplace=True)
         except replay.IncompleteHistory as exc:
@@ -1542,12 +1811,12 @@ class Recording:
         where, args = _step_range(start, stop)
         where += (" AND " if where else " WHERE ") + "boundary IS NOT NULL"
         with self._read() as conn:
-            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM blocks{where}", args).fetchone()
+            lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM segments{where}", args).fetchone()
             if not n:
                 return []
             stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
             rows = conn.execute(
-                f"SELECT step, available FROM blocks{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
+                f"SELECT step, available FROM segments{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
                 [*args, int(lo), stride],
             ).fetchall()
         out = {}
@@ -1572,7 +1841,7 @@ class Recording:
             if not sets:
                 return out
             where += (" AND " if where else " WHERE ") + f"kinds IN ({','.join(map(str, sets))})"
-            sql = f"SELECT (step / ?) * ? AS b, counts FROM blocks{where}"
+            sql = f"SELECT (step / ?) * ? AS b, counts FROM segments{where}"
             rows = conn.execute(sql, [bucket, bucket, *args]).fetchall()
         per: dict[str, dict] = {n: {} for n in names}
         for b, counts in rows:

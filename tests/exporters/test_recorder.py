@@ -329,6 +329,39 @@ def test_attached_mid_run_and_event_ranges(tmp_path):
         assert [b.step for b in boundaries] == list(range(start + 1, e.w.step_count + 1))
 
 
+def test_blocks_of_many_steps_read_back_every_event_and_range(tmp_path):
+    # A block spans many steps and takes a usual batch as it is (the wrapper's own Snapshot events in it, built
+    # for another sink, are not stored); events(start, stop, kinds) cuts blocks at step edges.
+    e = Engine("swa-4", True, "immediate")
+    object.__setattr__(e.w, "_w_snapshot_every", 3)
+    seen: list = []
+
+    class Everything:
+        name = "everything"
+
+        def __call__(self, batch):
+            seen.extend(batch)
+
+    e.w.subscribe(Everything())
+    path = tmp_path / "many.db"
+    snaps: dict = {}
+    with FlightRecorder(e.w, path, snapshot_every=5, flush_interval=60.0):
+        drive(e, RandomPick(7), 150, lambda e: snaps.__setitem__(e.w.step_count, e.w.snapshot()))
+    assert any(type(x) is ev.Snapshot for x in seen)
+    stored = [x for x in seen if type(x) is not ev.Snapshot]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as c:
+        assert c.execute("SELECT max(last_step - step) FROM blocks").fetchone()[0] > 1
+    with Recording(path) as r:
+        assert [(type(x), x.seq, x.step, x.ts) for x in r.events()] == [(type(x), x.seq, x.step, x.ts) for x in stored]
+        last = e.w.step_count
+        for a, b in ((3, 9), (10, 11), (0, last + 1), (last, last + 5), (last + 1, last + 9)):
+            for kinds in (None, (ev.PageUpdate, ev.StepBoundary)):
+                want = [x.seq for x in stored if a <= x.step < b and (kinds is None or type(x) in kinds)]
+                assert [x.seq for x in r.events(a, b, kinds=kinds)] == want, (a, b, kinds)
+        for step, s in snaps.items():
+            assert_state_equals(r.state_at(step), s, step)
+
+
 class _CopyInFlight:
     """Stands for a CUDA event of a device->host copy that has not landed yet (what verify="deferred" waits on)."""
 
@@ -521,7 +554,7 @@ def test_other_format_versions_are_a_clear_error(tmp_path):
     # newer writer: the error names the file and both versions; a writer may still replace such a file with
     # overwrite=True.
     e = Engine("paged-4", False, "immediate")
-    for version, word in ((1, "older"), (2, "older"), (FORMAT_VERSION + 1, "newer")):
+    for version, word in ((1, "older"), (2, "older"), (3, "older"), (FORMAT_VERSION + 1, "newer")):
         path = tmp_path / f"v{version}.db"
         FlightRecorder(e.w, path).close()
         with sqlite3.connect(path) as c:
@@ -536,7 +569,7 @@ def test_other_format_versions_are_a_clear_error(tmp_path):
             FlightRecorder(e.w, path)
         FlightRecorder(e.w, path, overwrite=True).close()
         with Recording(path) as r:
-            assert r.meta["format_version"] == FORMAT_VERSION == 3
+            assert r.meta["format_version"] == FORMAT_VERSION == 4
 
 
 def test_missing_step_is_a_clear_error(tmp_path):
