@@ -134,6 +134,11 @@ _ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
 # Free ops that touch only the SWA pool; every other free emits a "full" event, which carries the call's duration.
 _SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
 _MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
+# The sink's per-event type tests, as module globals (one dictionary look-up each instead of two).
+_ALLOC, _FREE, _RELEASED, _EVICT = ev.Alloc, ev.Free, ev.RequestReleased, ev.SwaEvict
+_VIOLATION, _FAILED = ev.ViolationEvent, ev.AllocFailed
+_bisect_left = bisect.bisect_left
+_PEAK = None  # the request-pages histogram's key among the pending observations (the others: op names)
 
 
 def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
@@ -163,7 +168,14 @@ def _exemplar(trace_id) -> dict[str, str] | None:
 
 
 class _Sink:
-    """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under)."""
+    """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under).
+
+    Single-process mode aggregates here, in this one frame per batch (the bus calls it once per wrapped call that
+    built an event, on the engine thread, inside the wrapper's lock): per event a type test and dictionary
+    updates of the pending counts and observations under ``_pend_lock``, nothing else (no call while the labels
+    are known). Multiprocess mode (or a prometheus_client without the histogram internals) hands the batch to
+    ``_on_batch``, whose handlers update the children at once. Never raises: a failure is counted in
+    ``sink_errors``/``last_error`` and the batch refused (the bus counts it as dropped)."""
 
     name = SINK_NAME
     # What the counters and histograms read: the wrapper then skips building what we ignore (page and ledger
@@ -176,7 +188,51 @@ class _Sink:
             self.event_types = self.event_types | {ev.StepBoundary}
 
     def __call__(self, batch) -> bool | None:
-        return self._exporter._on_batch(batch)
+        x = self._exporter
+        if not x._aggregate:
+            return x._on_batch(batch)
+        try:
+            with x._pend_lock:
+                inc = x._pend_inc
+                obs = x._pend_obs
+                for e in batch:
+                    t = type(e)
+                    if t is _ALLOC or t is _FREE:
+                        pool = e.pool
+                        n = e.n_pages
+                        if n:
+                            c = (x._alloc_child if t is _ALLOC else x._free_child).get(pool)
+                            if c is None:
+                                c = x._pages_child(t, pool)
+                            inc[c] = inc.get(c, 0) + n
+                        if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
+                            p = obs.get(e.op)
+                            if p is None:
+                                p = x._pending_duration(e.op)
+                            d = e.duration
+                            p[0] += d
+                            p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
+                    elif t is _RELEASED:
+                        p = obs.get(_PEAK)
+                        if p is None:
+                            p = x._pending_peak()
+                        d = e.pages_peak
+                        p[0] += d
+                        p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
+                    elif t is _EVICT:
+                        n = e.new - e.old
+                        if n > 0:
+                            c = x._evicted_child
+                            inc[c] = inc.get(c, 0) + n
+                    elif t is _VIOLATION:
+                        x._on_violation(e)
+                    elif t is _FAILED:
+                        x._on_alloc_failed(e)
+            return None
+        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+            x.sink_errors += 1
+            x.last_error = f"{type(exc).__name__}: {exc}"
+            return False
 
 
 class _GaugeCollector:
@@ -259,7 +315,7 @@ class PrometheusExporter:
         # Single process: counters and histograms are aggregated by the sink and published at collection time.
         self._pend_lock = threading.Lock()
         self._pend_inc: dict = {}  # counter child -> amount not yet published
-        self._pend_obs: dict = {}  # histogram child -> [sum, count per bucket...] not yet published
+        self._pend_obs: dict = {}  # op or _PEAK -> [sum, count per bucket..., histogram child] not yet published
         self._aggregate = not self.multiprocess
         try:
             self._build_event_metrics()
@@ -336,6 +392,21 @@ class PrometheusExporter:
                 self._child(self._failures, "full", op)
         self._child(self._evicted)
         self._child(self._request_pages, "full")
+        # The single-process sink's children, found without a call (``_child`` stays the one place a child is
+        # made; the maps by label fill as labels appear): page counters by pool, duration histograms by op.
+        self._alloc_child = {pool: self._child(self._allocated, pool) for pool in pools}
+        self._free_child = {pool: self._child(self._freed, pool) for pool in pools}
+        self._dur_child: dict = {}
+        self._evicted_child = self._child(self._evicted)
+        self._peak_child = self._child(self._request_pages, "full")
+
+    def _pages_child(self, t: type, pool: str):
+        """The pages allocated (``t`` is ``Alloc``) or freed counter child of ``pool``, now in the sink's map."""
+        if t is _ALLOC:
+            c = self._alloc_child[pool] = self._child(self._allocated, pool)
+        else:
+            c = self._free_child[pool] = self._child(self._freed, pool)
+        return c
 
     def _build_mp_gauges(self) -> None:
         self._gauges = {
@@ -355,8 +426,8 @@ class PrometheusExporter:
 
     # -- the sink (engine thread) ------------------------------------------------------------------------------
     def _on_batch(self, batch) -> bool | None:
-        if self._aggregate:
-            return self._aggregate_batch(batch)
+        """Multiprocess sink (and single-process without the histogram internals): each event's handler updates
+        the metric children at once."""
         try:
             handlers = self._handlers
             for e in batch:
@@ -369,49 +440,20 @@ class PrometheusExporter:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
 
-    def _aggregate_batch(self, batch) -> bool | None:
-        """Single-process sink: page counts and observations into the pending dictionaries, keyed by the metric
-        child they will be published to (see the module docstring)."""
-        try:
-            child = self._child
-            with self._pend_lock:
-                inc = self._pend_inc
-                obs = self._pend_obs
-                for e in batch:
-                    t = type(e)
-                    if t is ev.Alloc or t is ev.Free:
-                        if e.n_pages:
-                            c = child(self._allocated if t is ev.Alloc else self._freed, e.pool)
-                            inc[c] = inc.get(c, 0) + e.n_pages
-                        if e.pool == "full" or (t is ev.Free and e.op in _SWA_ONLY_FREES):  # one per call
-                            c = child(self._op_duration, e.op)
-                            p = obs.get(c) or self._pending_histogram(c)
-                            p[0] += e.duration
-                            p[1 + bisect.bisect_left(c._upper_bounds, e.duration)] += 1
-                    elif t is ev.RequestReleased:
-                        c = child(self._request_pages, "full")
-                        p = obs.get(c) or self._pending_histogram(c)
-                        p[0] += e.pages_peak
-                        p[1 + bisect.bisect_left(c._upper_bounds, e.pages_peak)] += 1
-                    elif t is ev.SwaEvict:
-                        n = e.new - e.old
-                        if n > 0:
-                            c = child(self._evicted)
-                            inc[c] = inc.get(c, 0) + n
-                    elif t is ev.ViolationEvent:
-                        self._on_violation(e)
-                    elif t is ev.AllocFailed:
-                        self._on_alloc_failed(e)
-            return None
-        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
-            self.sink_errors += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return False
+    # Pending observations (single process), in ``_pend_obs`` keyed by op (durations) or ``_PEAK``: [sum, count
+    # per bucket..., the child they are published to]. A bucket is observe()'s: the first whose upper bound is >=
+    # the amount, found by ``bisect_left`` over the finite bounds (an amount above them all lands on +Inf's).
+    # Made under ``_pend_lock`` when a key first appears after a flush, which is also when the child is found
+    # (so a failing child fails in the sink, which reports the batch refused).
+    def _pending_duration(self, op: str) -> list:
+        c = self._dur_child.get(op)
+        if c is None:
+            c = self._dur_child[op] = self._child(self._op_duration, op)
+        p = self._pend_obs[op] = [0.0] + [0] * (len(OP_DURATION_BUCKETS) + 1) + [c]
+        return p
 
-    def _pending_histogram(self, c) -> list:
-        """[sum, count per bucket...] of observations for child ``c`` (observe(): the first bucket whose upper
-        bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
-        p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
+    def _pending_peak(self) -> list:
+        p = self._pend_obs[_PEAK] = [0.0] + [0] * (len(REQUEST_PAGES_BUCKETS) + 1) + [self._peak_child]
         return p
 
     def _flushing_collect(self, collect):
@@ -431,9 +473,10 @@ class PrometheusExporter:
             obs, self._pend_obs = self._pend_obs, {}
         for c, n in inc.items():
             c.inc(n)
-        for c, p in obs.items():
+        for p in obs.values():
+            c = p[-1]
             c._sum.inc(p[0])
-            for b, n in zip(c._buckets, p[1:]):
+            for b, n in zip(c._buckets, p[1:-1]):
                 if n:
                     b.inc(n)
 
