@@ -18,11 +18,14 @@ What is computed when
   caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
   counts it in ``alloc.bus.dropped["prometheus"]``.
 - Single-process mode aggregates on the engine thread and publishes at scrape time: the sink adds page counts and
-  histogram observations (bucket index by ``bisect``, plus the sum) into plain dictionaries under a lock that is
-  only ever held for dictionary updates, and collecting any of those metrics (a scrape, ``generate_latest``,
-  ``get_sample_value``, a restricted registry) first moves them into the prometheus_client children; so does
-  ``close()``. Values read through the registry are therefore exact at every
-  collection; the children's own values lag until then. Violations and allocation failures (rare, and the
+  histogram observations (bucket index by ``bisect``, plus the sum) into running totals in plain dictionaries and
+  lists that only it writes (the wrapper serialises its calls; the engine thread takes no lock of ours), and
+  collecting any of those metrics (a scrape, ``generate_latest``, ``get_sample_value``, a restricted registry)
+  first publishes what changed since the last collection into the prometheus_client children (a histogram's sum
+  is set to the running sum); so does ``close()``. Values read through the registry are therefore exact at every
+  collection (one on another thread while the engine runs reads the totals as of some update: possibly one
+  observation in a histogram's sum and not yet in its buckets, see ``_flush_pending``); the children's own values
+  lag until then. Violations and allocation failures (rare, and the
   violation carries an exemplar) update their counters at once. Multiprocess mode updates the children at once
   (their values live in files other processes read).
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.drop_counts()`` (every sink: this one, the recorder,
@@ -171,9 +174,9 @@ class _Sink:
     """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under).
 
     Single-process mode aggregates here, in this one frame per batch (the bus calls it once per wrapped call that
-    built an event, on the engine thread, inside the wrapper's lock): per event a type test and dictionary
-    updates of the pending counts and observations under ``_pend_lock``, nothing else (no call while the labels
-    are known). Multiprocess mode (or a prometheus_client without the histogram internals) hands the batch to
+    built an event, on the engine thread, inside the wrapper's lock, which makes it the running totals' only
+    writer): per event a type test and the running totals' updates, nothing else (no lock, and no call once the
+    labels are known). Multiprocess mode (or a prometheus_client without the histogram internals) hands the batch to
     ``_on_batch``, whose handlers update the children at once. Never raises: a failure is counted in
     ``sink_errors``/``last_error`` and the batch refused (the bus counts it as dropped)."""
 
@@ -186,50 +189,53 @@ class _Sink:
         self._exporter = exporter
         if exporter.multiprocess:
             self.event_types = self.event_types | {ev.StepBoundary}
+        # The running totals (see PrometheusExporter._flush_pending), persistent objects: held here directly.
+        self._aggregate = exporter._aggregate
+        self._inc = exporter._tot_inc
+        self._obs = exporter._tot_obs
+        self._alloc_child = exporter._alloc_child
+        self._free_child = exporter._free_child
 
     def __call__(self, batch) -> bool | None:
-        x = self._exporter
-        if not x._aggregate:
-            return x._on_batch(batch)
+        if not self._aggregate:
+            return self._exporter._on_batch(batch)
         try:
-            with x._pend_lock:
-                inc = x._pend_inc
-                obs = x._pend_obs
-                for e in batch:
-                    t = type(e)
-                    if t is _ALLOC or t is _FREE:
-                        pool = e.pool
-                        n = e.n_pages
-                        if n:
-                            c = (x._alloc_child if t is _ALLOC else x._free_child).get(pool)
-                            if c is None:
-                                c = x._pages_child(t, pool)
-                            inc[c] = inc.get(c, 0) + n
-                        if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
-                            p = obs.get(e.op)
-                            if p is None:
-                                p = x._pending_duration(e.op)
-                            d = e.duration
-                            p[0] += d
-                            p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
-                    elif t is _RELEASED:
-                        p = obs.get(_PEAK)
+            inc = self._inc
+            obs = self._obs
+            for e in batch:
+                t = type(e)
+                if t is _ALLOC or t is _FREE:
+                    pool = e.pool
+                    n = e.n_pages
+                    if n:
+                        c = (self._alloc_child if t is _ALLOC else self._free_child).get(pool)
+                        if c is None:
+                            c = self._exporter._pages_child(t, pool)
+                        inc[c] = inc.get(c, 0) + n
+                    if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
+                        p = obs.get(e.op)
                         if p is None:
-                            p = x._pending_peak()
-                        d = e.pages_peak
+                            p = self._exporter._running_duration(e.op)
+                        d = e.duration
                         p[0] += d
-                        p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
-                    elif t is _EVICT:
-                        n = e.new - e.old
-                        if n > 0:
-                            c = x._evicted_child
-                            inc[c] = inc.get(c, 0) + n
-                    elif t is _VIOLATION:
-                        x._on_violation(e)
-                    elif t is _FAILED:
-                        x._on_alloc_failed(e)
+                        p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
+                elif t is _RELEASED:
+                    p = obs[_PEAK]
+                    d = e.pages_peak
+                    p[0] += d
+                    p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
+                elif t is _EVICT:
+                    n = e.new - e.old
+                    if n > 0:
+                        c = self._exporter._evicted_child
+                        inc[c] = inc.get(c, 0) + n
+                elif t is _VIOLATION:
+                    self._exporter._on_violation(e)
+                elif t is _FAILED:
+                    self._exporter._on_alloc_failed(e)
             return None
         except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+            x = self._exporter
             x.sink_errors += 1
             x.last_error = f"{type(exc).__name__}: {exc}"
             return False
@@ -312,10 +318,13 @@ class PrometheusExporter:
 
         self._dropped_seen: dict[str, int] = {}
         self._last_refresh = self._clock()
-        # Single process: counters and histograms are aggregated by the sink and published at collection time.
-        self._pend_lock = threading.Lock()
-        self._pend_inc: dict = {}  # counter child -> amount not yet published
-        self._pend_obs: dict = {}  # op or _PEAK -> [sum, count per bucket..., histogram child] not yet published
+        # Single process: counters and histograms are aggregated by the sink into running totals and published at
+        # collection time (see _flush_pending).
+        self._pub_lock = threading.Lock()  # collectors only; the sink never takes it
+        self._tot_inc: dict = {}  # counter child -> running total (written by the sink only)
+        self._tot_obs: dict = {}  # op or _PEAK -> [sum, count per bucket..., histogram child] (the sink only)
+        self._pub_inc: dict = {}  # counter child -> the total last published
+        self._pub_obs: dict = {}  # op or _PEAK -> the counts per bucket last published
         self._aggregate = not self.multiprocess
         try:
             self._build_event_metrics()
@@ -333,7 +342,6 @@ class PrometheusExporter:
             self._unregister()  # e.g. a name clash in a shared registry: leave it as it was
             raise
 
-        self.sink = _Sink(self)
         self._handlers = {
             ev.Alloc: self._on_alloc,
             ev.AllocFailed: self._on_alloc_failed,
@@ -345,8 +353,11 @@ class PrometheusExporter:
         }
         if self._aggregate:
             probe = self._child(self._request_pages, "full")
-            if not all(hasattr(probe, a) for a in ("_buckets", "_sum", "_upper_bounds")):
+            if not (all(hasattr(probe, a) for a in ("_buckets", "_sum")) and hasattr(probe._sum, "set")):
                 self._aggregate = False  # a prometheus_client without these internals: publish at once
+        if self._aggregate:
+            self._tot_obs[_PEAK] = self._new_running(REQUEST_PAGES_BUCKETS, self._peak_child)
+        self.sink = _Sink(self)
         alloc.subscribe(self.sink)
 
     # -- metric construction --------------------------------------------------------------------------------------
@@ -440,20 +451,20 @@ class PrometheusExporter:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
 
-    # Pending observations (single process), in ``_pend_obs`` keyed by op (durations) or ``_PEAK``: [sum, count
-    # per bucket..., the child they are published to]. A bucket is observe()'s: the first whose upper bound is >=
-    # the amount, found by ``bisect_left`` over the finite bounds (an amount above them all lands on +Inf's).
-    # Made under ``_pend_lock`` when a key first appears after a flush, which is also when the child is found
-    # (so a failing child fails in the sink, which reports the batch refused).
-    def _pending_duration(self, op: str) -> list:
+    # Running observations (single process), in ``_tot_obs`` keyed by op (durations) or ``_PEAK``: [sum, count per
+    # bucket..., the child they are published to]. A bucket is observe()'s: the first whose upper bound is >= the
+    # amount, found by ``bisect_left`` over the finite bounds (an amount above them all lands on +Inf's). A
+    # duration's entry is made when its op first appears, which is also when its child is found (so a failing
+    # child fails in the sink, which reports the batch refused).
+    @staticmethod
+    def _new_running(bounds: tuple, child) -> list:
+        return [0.0] + [0] * (len(bounds) + 1) + [child]
+
+    def _running_duration(self, op: str) -> list:
         c = self._dur_child.get(op)
         if c is None:
             c = self._dur_child[op] = self._child(self._op_duration, op)
-        p = self._pend_obs[op] = [0.0] + [0] * (len(OP_DURATION_BUCKETS) + 1) + [c]
-        return p
-
-    def _pending_peak(self) -> list:
-        p = self._pend_obs[_PEAK] = [0.0] + [0] * (len(REQUEST_PAGES_BUCKETS) + 1) + [self._peak_child]
+        p = self._tot_obs[op] = self._new_running(OP_DURATION_BUCKETS, c)
         return p
 
     def _flushing_collect(self, collect):
@@ -467,18 +478,34 @@ class PrometheusExporter:
         return flush_then_collect
 
     def _flush_pending(self) -> None:
-        """Publish what the sink aggregated (collection time, ``close()``). Any thread."""
-        with self._pend_lock:
-            inc, self._pend_inc = self._pend_inc, {}
-            obs, self._pend_obs = self._pend_obs, {}
-        for c, n in inc.items():
-            c.inc(n)
-        for p in obs.values():
-            c = p[-1]
-            c._sum.inc(p[0])
-            for b, n in zip(c._buckets, p[1:-1]):
+        """Publish what the sink aggregated since the last publication (collection time, ``close()``). Any thread.
+
+        The sink is the only writer of the running totals (the wrapper serialises its calls) and takes no lock:
+        this reads them, each dictionary and each entry copied whole (``list(d.items())``, ``p[:]``: one C call
+        each, which no other thread interleaves), and publishes the differences to what it published last
+        (``_pub_*``, under ``_pub_lock``, which only collectors take). A histogram's sum is set to the running sum:
+        the same float as observing each amount in turn. A scrape that lands between the sink's update of an
+        entry's sum and of its bucket may see that one observation in the sum and not yet in the count; the next
+        collection has both (as with prometheus_client's own observe, which updates them one after the other)."""
+        with self._pub_lock:
+            pub_inc, pub_obs = self._pub_inc, self._pub_obs
+            for c, total in list(self._tot_inc.items()):
+                n = total - pub_inc.get(c, 0)
                 if n:
-                    b.inc(n)
+                    c.inc(n)
+                    pub_inc[c] = total
+            for key, p in list(self._tot_obs.items()):
+                p = p[:]
+                c = p[-1]
+                counts = p[1:-1]
+                seen = pub_obs.get(key) or [0] * len(counts)
+                if seen == counts:
+                    continue  # nothing observed since (the sum moves only with a count)
+                c._sum.set(p[0])
+                for b, n, m in zip(c._buckets, counts, seen):
+                    if n != m:
+                        b.inc(n - m)
+                pub_obs[key] = counts
 
     def _on_alloc(self, e: ev.Alloc) -> None:
         if e.n_pages:
