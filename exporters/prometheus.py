@@ -481,20 +481,21 @@ class PrometheusExporter:
         """Publish what the sink aggregated since the last publication (collection time, ``close()``). Any thread.
 
         The sink is the only writer of the running totals (the wrapper serialises its calls) and takes no lock:
-        this reads them, each dictionary and each entry copied whole (``list(d.items())``, ``p[:]``: one C call
-        each, which no other thread interleaves), and publishes the differences to what it published last
-        (``_pub_*``, under ``_pub_lock``, which only collectors take). A histogram's sum is set to the running sum:
-        the same float as observing each amount in turn. A scrape that lands between the sink's update of an
-        entry's sum and of its bucket may see that one observation in the sum and not yet in the count; the next
-        collection has both (as with prometheus_client's own observe, which updates them one after the other)."""
+        this reads them, each dictionary and each entry copied whole (``d.copy()``, ``p[:]``: C calls that run no
+        Python code once their result is allocated, so no other thread interleaves), and publishes the differences
+        to what it published last (``_pub_*``, under ``_pub_lock``, which only collectors take). A histogram's sum
+        is set to the running sum: the same float as observing each amount in turn. A scrape that lands between
+        the sink's update of an entry's sum and of its bucket may see that one observation in the sum and not yet
+        in the count; the next collection has both (as with prometheus_client's own observe, which updates them
+        one after the other)."""
         with self._pub_lock:
             pub_inc, pub_obs = self._pub_inc, self._pub_obs
-            for c, total in list(self._tot_inc.items()):
+            for c, total in self._tot_inc.copy().items():
                 n = total - pub_inc.get(c, 0)
                 if n:
                     c.inc(n)
                     pub_inc[c] = total
-            for key, p in list(self._tot_obs.items()):
+            for key, p in self._tot_obs.copy().items():
                 p = p[:]
                 c = p[-1]
                 counts = p[1:-1]
