@@ -171,74 +171,84 @@ def _exemplar(trace_id) -> dict[str, str] | None:
 
 
 class _Sink:
-    """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under).
+    """What the exporter subscribes to the allocator's bus: ``_Sink.build(exporter)`` returns the callable, a plain
+    function carrying ``name`` (what ``bus.dropped`` counts under) and ``event_types`` (these, plus
+    ``StepBoundary`` in multiprocess mode). A function rather than an object with ``__call__``: the bus calls it
+    once per wrapped call that built an event, and calling an instance costs a sixth of the sink again.
 
-    Single-process mode aggregates here, in this one frame per batch (the bus calls it once per wrapped call that
-    built an event, on the engine thread, inside the wrapper's lock, which makes it the running totals' only
-    writer): per event a type test and the running totals' updates, nothing else (no lock, and no call once the
-    labels are known). Multiprocess mode (or a prometheus_client without the histogram internals) hands the batch to
-    ``_on_batch``, whose handlers update the children at once. Never raises: a failure is counted in
-    ``sink_errors``/``last_error`` and the batch refused (the bus counts it as dropped)."""
+    Single-process mode aggregates in that one frame per batch (on the engine thread, inside the wrapper's lock,
+    which makes it the running totals' only writer): per event a type test and the running totals' updates,
+    nothing else (no lock, and no call once the labels are known). Multiprocess mode (or a prometheus_client
+    without the histogram internals) hands the batch to ``_on_batch``, whose handlers update the children at once.
+    Never raises: a failure is counted in ``sink_errors``/``last_error`` and the batch refused (the bus counts it
+    as dropped)."""
 
     name = SINK_NAME
     # What the counters and histograms read: the wrapper then skips building what we ignore (page and ledger
     # deltas; step boundaries too unless multiprocess gauges refresh on them).
     event_types = frozenset({ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased})
 
-    def __init__(self, exporter: PrometheusExporter):
-        self._exporter = exporter
-        if exporter.multiprocess:
-            self.event_types = self.event_types | {ev.StepBoundary}
-        # The running totals (see PrometheusExporter._flush_pending), persistent objects: held here directly.
-        self._aggregate = exporter._aggregate
-        self._inc = exporter._tot_inc
-        self._obs = exporter._tot_obs
-        self._alloc_child = exporter._alloc_child
-        self._free_child = exporter._free_child
+    @classmethod
+    def build(cls, x: PrometheusExporter) -> Callable:
+        if x._aggregate:
+            sink = cls._aggregating(x)
+        else:
+            on_batch = x._on_batch
 
-    def __call__(self, batch) -> bool | None:
-        if not self._aggregate:
-            return self._exporter._on_batch(batch)
-        try:
-            inc = self._inc
-            obs = self._obs
-            for e in batch:
-                t = type(e)
-                if t is _ALLOC or t is _FREE:
-                    pool = e.pool
-                    n = e.n_pages
-                    if n:
-                        c = (self._alloc_child if t is _ALLOC else self._free_child).get(pool)
-                        if c is None:
-                            c = self._exporter._pages_child(t, pool)
-                        inc[c] = inc.get(c, 0) + n
-                    if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
-                        p = obs.get(e.op)
-                        if p is None:
-                            p = self._exporter._running_duration(e.op)
-                        d = e.duration
+            def sink(batch):
+                return on_batch(batch)
+
+        sink.name = cls.name
+        sink.event_types = (cls.event_types | {ev.StepBoundary}) if x.multiprocess else cls.event_types
+        return sink
+
+    @staticmethod
+    def _aggregating(x: PrometheusExporter) -> Callable:
+        # The running totals and the child maps are persistent objects (see PrometheusExporter._flush_pending):
+        # the sink holds them in its closure.
+        inc, obs = x._tot_inc, x._tot_obs
+        alloc_child, free_child = x._alloc_child, x._free_child
+
+        def sink(batch) -> bool | None:
+            try:
+                for e in batch:
+                    t = type(e)
+                    if t is _ALLOC or t is _FREE:
+                        pool = e.pool
+                        n = e.n_pages
+                        if n:
+                            c = (alloc_child if t is _ALLOC else free_child).get(pool)
+                            if c is None:
+                                c = x._pages_child(t, pool)
+                            inc[c] = inc.get(c, 0) + n
+                        if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
+                            p = obs.get(e.op)
+                            if p is None:
+                                p = x._running_duration(e.op)
+                            d = e.duration
+                            p[0] += d
+                            p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
+                    elif t is _RELEASED:
+                        p = obs[_PEAK]
+                        d = e.pages_peak
                         p[0] += d
-                        p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
-                elif t is _RELEASED:
-                    p = obs[_PEAK]
-                    d = e.pages_peak
-                    p[0] += d
-                    p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
-                elif t is _EVICT:
-                    n = e.new - e.old
-                    if n > 0:
-                        c = self._exporter._evicted_child
-                        inc[c] = inc.get(c, 0) + n
-                elif t is _VIOLATION:
-                    self._exporter._on_violation(e)
-                elif t is _FAILED:
-                    self._exporter._on_alloc_failed(e)
-            return None
-        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
-            x = self._exporter
-            x.sink_errors += 1
-            x.last_error = f"{type(exc).__name__}: {exc}"
-            return False
+                        p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
+                    elif t is _EVICT:
+                        n = e.new - e.old
+                        if n > 0:
+                            c = x._evicted_child
+                            inc[c] = inc.get(c, 0) + n
+                    elif t is _VIOLATION:
+                        x._on_violation(e)
+                    elif t is _FAILED:
+                        x._on_alloc_failed(e)
+                return None
+            except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+                x.sink_errors += 1
+                x.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+
+        return sink
 
 
 class _GaugeCollector:
@@ -357,7 +367,7 @@ class PrometheusExporter:
                 self._aggregate = False  # a prometheus_client without these internals: publish at once
         if self._aggregate:
             self._tot_obs[_PEAK] = self._new_running(REQUEST_PAGES_BUCKETS, self._peak_child)
-        self.sink = _Sink(self)
+        self.sink = _Sink.build(self)
         alloc.subscribe(self.sink)
 
     # -- metric construction --------------------------------------------------------------------------------------
