@@ -18,11 +18,14 @@ What is computed when
   caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
   counts it in ``alloc.bus.dropped["prometheus"]``.
 - Single-process mode aggregates on the engine thread and publishes at scrape time: the sink adds page counts and
-  histogram observations (bucket index by ``bisect``, plus the sum) into plain dictionaries under a lock that is
-  only ever held for dictionary updates, and collecting any of those metrics (a scrape, ``generate_latest``,
-  ``get_sample_value``, a restricted registry) first moves them into the prometheus_client children; so does
-  ``close()``. Values read through the registry are therefore exact at every
-  collection; the children's own values lag until then. Violations and allocation failures (rare, and the
+  histogram observations (bucket index by ``bisect``, plus the sum) into running totals in plain dictionaries and
+  lists that only it writes (the wrapper serialises its calls; the engine thread takes no lock of ours), and
+  collecting any of those metrics (a scrape, ``generate_latest``, ``get_sample_value``, a restricted registry)
+  first publishes what changed since the last collection into the prometheus_client children (a histogram's sum
+  is set to the running sum); so does ``close()``. Values read through the registry are therefore exact at every
+  collection (one on another thread while the engine runs reads the totals as of some update: possibly one
+  observation in a histogram's sum and not yet in its buckets, see ``_flush_pending``); the children's own values
+  lag until then. Violations and allocation failures (rare, and the
   violation carries an exemplar) update their counters at once. Multiprocess mode updates the children at once
   (their values live in files other processes read).
 - ``kvalloc_events_dropped_total{sink}`` mirrors ``alloc.bus.drop_counts()`` (every sink: this one, the recorder,
@@ -134,6 +137,11 @@ _ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
 # Free ops that touch only the SWA pool; every other free emits a "full" event, which carries the call's duration.
 _SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
 _MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
+# The sink's per-event type tests, as module globals (one dictionary look-up each instead of two).
+_ALLOC, _FREE, _RELEASED, _EVICT = ev.Alloc, ev.Free, ev.RequestReleased, ev.SwaEvict
+_VIOLATION, _FAILED = ev.ViolationEvent, ev.AllocFailed
+_bisect_left = bisect.bisect_left
+_PEAK = None  # the request-pages histogram's key among the pending observations (the others: op names)
 
 
 def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
@@ -163,20 +171,84 @@ def _exemplar(trace_id) -> dict[str, str] | None:
 
 
 class _Sink:
-    """The callable subscribed to the allocator's bus (``name`` is what ``bus.dropped`` counts under)."""
+    """What the exporter subscribes to the allocator's bus: ``_Sink.build(exporter)`` returns the callable, a plain
+    function carrying ``name`` (what ``bus.dropped`` counts under) and ``event_types`` (these, plus
+    ``StepBoundary`` in multiprocess mode). A function rather than an object with ``__call__``: the bus calls it
+    once per wrapped call that built an event, and calling an instance costs a sixth of the sink again.
+
+    Single-process mode aggregates in that one frame per batch (on the engine thread, inside the wrapper's lock,
+    which makes it the running totals' only writer): per event a type test and the running totals' updates,
+    nothing else (no lock, and no call once the labels are known). Multiprocess mode (or a prometheus_client
+    without the histogram internals) hands the batch to ``_on_batch``, whose handlers update the children at once.
+    Never raises: a failure is counted in ``sink_errors``/``last_error`` and the batch refused (the bus counts it
+    as dropped)."""
 
     name = SINK_NAME
     # What the counters and histograms read: the wrapper then skips building what we ignore (page and ledger
     # deltas; step boundaries too unless multiprocess gauges refresh on them).
     event_types = frozenset({ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased})
 
-    def __init__(self, exporter: PrometheusExporter):
-        self._exporter = exporter
-        if exporter.multiprocess:
-            self.event_types = self.event_types | {ev.StepBoundary}
+    @classmethod
+    def build(cls, x: PrometheusExporter) -> Callable:
+        if x._aggregate:
+            sink = cls._aggregating(x)
+        else:
+            on_batch = x._on_batch
 
-    def __call__(self, batch) -> bool | None:
-        return self._exporter._on_batch(batch)
+            def sink(batch):
+                return on_batch(batch)
+
+        sink.name = cls.name
+        sink.event_types = (cls.event_types | {ev.StepBoundary}) if x.multiprocess else cls.event_types
+        return sink
+
+    @staticmethod
+    def _aggregating(x: PrometheusExporter) -> Callable:
+        # The running totals and the child maps are persistent objects (see PrometheusExporter._flush_pending):
+        # the sink holds them in its closure.
+        inc, obs = x._tot_inc, x._tot_obs
+        alloc_child, free_child = x._alloc_child, x._free_child
+
+        def sink(batch) -> bool | None:
+            try:
+                for e in batch:
+                    t = type(e)
+                    if t is _ALLOC or t is _FREE:
+                        pool = e.pool
+                        n = e.n_pages
+                        if n:
+                            c = (alloc_child if t is _ALLOC else free_child).get(pool)
+                            if c is None:
+                                c = x._pages_child(t, pool)
+                            inc[c] = inc.get(c, 0) + n
+                        if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
+                            p = obs.get(e.op)
+                            if p is None:
+                                p = x._running_duration(e.op)
+                            d = e.duration
+                            p[0] += d
+                            p[1 + _bisect_left(OP_DURATION_BUCKETS, d)] += 1
+                    elif t is _RELEASED:
+                        p = obs[_PEAK]
+                        d = e.pages_peak
+                        p[0] += d
+                        p[1 + _bisect_left(REQUEST_PAGES_BUCKETS, d)] += 1
+                    elif t is _EVICT:
+                        n = e.new - e.old
+                        if n > 0:
+                            c = x._evicted_child
+                            inc[c] = inc.get(c, 0) + n
+                    elif t is _VIOLATION:
+                        x._on_violation(e)
+                    elif t is _FAILED:
+                        x._on_alloc_failed(e)
+                return None
+            except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
+                x.sink_errors += 1
+                x.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+
+        return sink
 
 
 class _GaugeCollector:
@@ -256,10 +328,13 @@ class PrometheusExporter:
 
         self._dropped_seen: dict[str, int] = {}
         self._last_refresh = self._clock()
-        # Single process: counters and histograms are aggregated by the sink and published at collection time.
-        self._pend_lock = threading.Lock()
-        self._pend_inc: dict = {}  # counter child -> amount not yet published
-        self._pend_obs: dict = {}  # histogram child -> [sum, count per bucket...] not yet published
+        # Single process: counters and histograms are aggregated by the sink into running totals and published at
+        # collection time (see _flush_pending).
+        self._pub_lock = threading.Lock()  # collectors only; the sink never takes it
+        self._tot_inc: dict = {}  # counter child -> running total (written by the sink only)
+        self._tot_obs: dict = {}  # op or _PEAK -> [sum, count per bucket..., histogram child] (the sink only)
+        self._pub_inc: dict = {}  # counter child -> the total last published
+        self._pub_obs: dict = {}  # op or _PEAK -> the counts per bucket last published
         self._aggregate = not self.multiprocess
         try:
             self._build_event_metrics()
@@ -277,7 +352,6 @@ class PrometheusExporter:
             self._unregister()  # e.g. a name clash in a shared registry: leave it as it was
             raise
 
-        self.sink = _Sink(self)
         self._handlers = {
             ev.Alloc: self._on_alloc,
             ev.AllocFailed: self._on_alloc_failed,
@@ -289,8 +363,11 @@ class PrometheusExporter:
         }
         if self._aggregate:
             probe = self._child(self._request_pages, "full")
-            if not all(hasattr(probe, a) for a in ("_buckets", "_sum", "_upper_bounds")):
+            if not (all(hasattr(probe, a) for a in ("_buckets", "_sum")) and hasattr(probe._sum, "set")):
                 self._aggregate = False  # a prometheus_client without these internals: publish at once
+        if self._aggregate:
+            self._tot_obs[_PEAK] = self._new_running(REQUEST_PAGES_BUCKETS, self._peak_child)
+        self.sink = _Sink.build(self)
         alloc.subscribe(self.sink)
 
     # -- metric construction --------------------------------------------------------------------------------------
@@ -336,6 +413,21 @@ class PrometheusExporter:
                 self._child(self._failures, "full", op)
         self._child(self._evicted)
         self._child(self._request_pages, "full")
+        # The single-process sink's children, found without a call (``_child`` stays the one place a child is
+        # made; the maps by label fill as labels appear): page counters by pool, duration histograms by op.
+        self._alloc_child = {pool: self._child(self._allocated, pool) for pool in pools}
+        self._free_child = {pool: self._child(self._freed, pool) for pool in pools}
+        self._dur_child: dict = {}
+        self._evicted_child = self._child(self._evicted)
+        self._peak_child = self._child(self._request_pages, "full")
+
+    def _pages_child(self, t: type, pool: str):
+        """The pages allocated (``t`` is ``Alloc``) or freed counter child of ``pool``, now in the sink's map."""
+        if t is _ALLOC:
+            c = self._alloc_child[pool] = self._child(self._allocated, pool)
+        else:
+            c = self._free_child[pool] = self._child(self._freed, pool)
+        return c
 
     def _build_mp_gauges(self) -> None:
         self._gauges = {
@@ -355,8 +447,8 @@ class PrometheusExporter:
 
     # -- the sink (engine thread) ------------------------------------------------------------------------------
     def _on_batch(self, batch) -> bool | None:
-        if self._aggregate:
-            return self._aggregate_batch(batch)
+        """Multiprocess sink (and single-process without the histogram internals): each event's handler updates
+        the metric children at once."""
         try:
             handlers = self._handlers
             for e in batch:
@@ -369,49 +461,20 @@ class PrometheusExporter:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
 
-    def _aggregate_batch(self, batch) -> bool | None:
-        """Single-process sink: page counts and observations into the pending dictionaries, keyed by the metric
-        child they will be published to (see the module docstring)."""
-        try:
-            child = self._child
-            with self._pend_lock:
-                inc = self._pend_inc
-                obs = self._pend_obs
-                for e in batch:
-                    t = type(e)
-                    if t is ev.Alloc or t is ev.Free:
-                        if e.n_pages:
-                            c = child(self._allocated if t is ev.Alloc else self._freed, e.pool)
-                            inc[c] = inc.get(c, 0) + e.n_pages
-                        if e.pool == "full" or (t is ev.Free and e.op in _SWA_ONLY_FREES):  # one per call
-                            c = child(self._op_duration, e.op)
-                            p = obs.get(c) or self._pending_histogram(c)
-                            p[0] += e.duration
-                            p[1 + bisect.bisect_left(c._upper_bounds, e.duration)] += 1
-                    elif t is ev.RequestReleased:
-                        c = child(self._request_pages, "full")
-                        p = obs.get(c) or self._pending_histogram(c)
-                        p[0] += e.pages_peak
-                        p[1 + bisect.bisect_left(c._upper_bounds, e.pages_peak)] += 1
-                    elif t is ev.SwaEvict:
-                        n = e.new - e.old
-                        if n > 0:
-                            c = child(self._evicted)
-                            inc[c] = inc.get(c, 0) + n
-                    elif t is ev.ViolationEvent:
-                        self._on_violation(e)
-                    elif t is ev.AllocFailed:
-                        self._on_alloc_failed(e)
-            return None
-        except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
-            self.sink_errors += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return False
+    # Running observations (single process), in ``_tot_obs`` keyed by op (durations) or ``_PEAK``: [sum, count per
+    # bucket..., the child they are published to]. A bucket is observe()'s: the first whose upper bound is >= the
+    # amount, found by ``bisect_left`` over the finite bounds (an amount above them all lands on +Inf's). A
+    # duration's entry is made when its op first appears, which is also when its child is found (so a failing
+    # child fails in the sink, which reports the batch refused).
+    @staticmethod
+    def _new_running(bounds: tuple, child) -> list:
+        return [0.0] + [0] * (len(bounds) + 1) + [child]
 
-    def _pending_histogram(self, c) -> list:
-        """[sum, count per bucket...] of observations for child ``c`` (observe(): the first bucket whose upper
-        bound is >= the amount, found by ``bisect_left``). Called under ``_pend_lock``."""
-        p = self._pend_obs[c] = [0.0] + [0] * len(c._upper_bounds)
+    def _running_duration(self, op: str) -> list:
+        c = self._dur_child.get(op)
+        if c is None:
+            c = self._dur_child[op] = self._child(self._op_duration, op)
+        p = self._tot_obs[op] = self._new_running(OP_DURATION_BUCKETS, c)
         return p
 
     def _flushing_collect(self, collect):
@@ -425,17 +488,35 @@ class PrometheusExporter:
         return flush_then_collect
 
     def _flush_pending(self) -> None:
-        """Publish what the sink aggregated (collection time, ``close()``). Any thread."""
-        with self._pend_lock:
-            inc, self._pend_inc = self._pend_inc, {}
-            obs, self._pend_obs = self._pend_obs, {}
-        for c, n in inc.items():
-            c.inc(n)
-        for c, p in obs.items():
-            c._sum.inc(p[0])
-            for b, n in zip(c._buckets, p[1:]):
+        """Publish what the sink aggregated since the last publication (collection time, ``close()``). Any thread.
+
+        The sink is the only writer of the running totals (the wrapper serialises its calls) and takes no lock:
+        this reads them, each dictionary and each entry copied whole (``d.copy()``, ``p[:]``: C calls that run no
+        Python code once their result is allocated, so no other thread interleaves), and publishes the differences
+        to what it published last (``_pub_*``, under ``_pub_lock``, which only collectors take). A histogram's sum
+        is set to the running sum: the same float as observing each amount in turn. A scrape that lands between
+        the sink's update of an entry's sum and of its bucket may see that one observation in the sum and not yet
+        in the count; the next collection has both (as with prometheus_client's own observe, which updates them
+        one after the other)."""
+        with self._pub_lock:
+            pub_inc, pub_obs = self._pub_inc, self._pub_obs
+            for c, total in self._tot_inc.copy().items():
+                n = total - pub_inc.get(c, 0)
                 if n:
-                    b.inc(n)
+                    c.inc(n)
+                    pub_inc[c] = total
+            for key, p in self._tot_obs.copy().items():
+                p = p[:]
+                c = p[-1]
+                counts = p[1:-1]
+                seen = pub_obs.get(key) or [0] * len(counts)
+                if seen == counts:
+                    continue  # nothing observed since (the sum moves only with a count)
+                c._sum.set(p[0])
+                for b, n, m in zip(c._buckets, counts, seen):
+                    if n != m:
+                        b.inc(n - m)
+                pub_obs[key] = counts
 
     def _on_alloc(self, e: ev.Alloc) -> None:
         if e.n_pages:

@@ -41,7 +41,8 @@ Contract:
   that ``fields`` leaves out gets a fresh ``factory()``, as the constructor gives it (``StepBoundary.available``).
 - ``builder(cls)`` is the positional form for the hottest kinds: ``builder(cls)(seq, ts, step, *fields)`` (fields
   in declaration order, defaults as the constructor's) builds the same object again, with neither the keyword dict
-  nor the template copy. Generated from ``dataclasses.fields(cls)``, so it cannot drift from the class.
+  nor the template copy (one store per field into the instance's dict). Generated from
+  ``dataclasses.fields(cls)``, so it cannot drift from the class.
 """
 
 from __future__ import annotations
@@ -227,26 +228,23 @@ def builder(cls: type) -> Callable:
     b = _BUILDERS.get(cls)
     if b is not None:
         return b
-    params, items, env = [], [], {"_cls": cls, "_new": object.__new__}
+    params, stores, env = [], [], {"_cls": cls, "_new": object.__new__}
     for i, f in enumerate(dataclasses.fields(cls)):
         if f.default is not dataclasses.MISSING:
             env[f"_d{i}"] = f.default
             params.append(f"{f.name}=_d{i}")
-            items.append(f"{f.name!r}: {f.name}")
+            stores.append(f"    d[{f.name!r}] = {f.name}\n")
         elif f.default_factory is not dataclasses.MISSING:
             env[f"_f{i}"] = f.default_factory
             params.append(f"{f.name}=_MISSING")
             env["_MISSING"] = _MISSING
-            items.append(f"{f.name!r}: _f{i}() if {f.name} is _MISSING else {f.name}")
+            stores.append(f"    d[{f.name!r}] = _f{i}() if {f.name} is _MISSING else {f.name}\n")
         else:
             params.append(f.name)
-            items.append(f"{f.name!r}: {f.name}")
-    src = (
-        f"def build({', '.join(params)}):\n"
-        f"    e = _new(_cls)\n"
-        f"    e.__dict__.update({{{', '.join(items)}}})\n"
-        f"    return e\n"
-    )
+            stores.append(f"    d[{f.name!r}] = {f.name}\n")
+    # One store per field into the new instance's dict, in field order (the constructor's order): a quarter
+    # cheaper than building a dict and update()-ing the instance's with it.
+    src = f"def build({', '.join(params)}):\n    e = _new(_cls)\n    d = e.__dict__\n{''.join(stores)}    return e\n"
     exec(src, env)  # generated from the dataclass's own field list: cannot drift from the class
     b = _BUILDERS[cls] = env["build"]
     b.__qualname__ = b.__name__ = f"build_{cls.__name__}"
@@ -334,25 +332,32 @@ class EventBus:
         return tuple(self._sinks)
 
     def deliver(self, batch: Sequence[Event]) -> None:
+        # Every wrapped call that built an event ends here: the loop does the call and one test per sink; what a
+        # refusal or a failure costs is paid in _refused/_failed.
         if not batch:
             return
         for s in self._sinks:
             try:
-                ok = s(batch)
+                if s(batch) is False:
+                    self._refused(s, len(batch))
             except Exception as exc:  # a sink must never break the allocator's caller
-                ok = False
-                name = sink_name(s)
-                first = name not in self.errors
-                self.errors[name] = f"{type(exc).__name__}: {exc}"
-                if first:  # once per sink name: a sink failing on every batch must not flood the log
-                    logger.warning(
-                        "event sink %r failed: %s: %s; its batches are dropped and counted in bus.dropped[%r] "
-                        "(further failures of this sink are not logged)",
-                        name,
-                        type(exc).__name__,
-                        exc,
-                        name,
-                    )
-            if ok is False:
-                name = sink_name(s)
-                self.dropped[name] = self.dropped.get(name, 0) + len(batch)
+                self._failed(s, exc)
+                self._refused(s, len(batch))
+
+    def _refused(self, sink, n: int) -> None:
+        name = sink_name(sink)
+        self.dropped[name] = self.dropped.get(name, 0) + n
+
+    def _failed(self, sink, exc: Exception) -> None:
+        name = sink_name(sink)
+        first = name not in self.errors
+        self.errors[name] = f"{type(exc).__name__}: {exc}"
+        if first:  # once per sink name: a sink failing on every batch must not flood the log
+            logger.warning(
+                "event sink %r failed: %s: %s; its batches are dropped and counted in bus.dropped[%r] "
+                "(further failures of this sink are not logged)",
+                name,
+                type(exc).__name__,
+                exc,
+                name,
+            )

@@ -108,13 +108,46 @@ _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inn
 
 
 class _CallState:
-    __slots__ = ("events", "op", "seq", "step")
+    """What the per-call paths read and write, on a plain slotted object: the wrapper's own attributes are slow to
+    read (its class defines ``__getattr__`` to forward, which keeps CPython 3.11 from specialising attribute
+    loads on it: about 8x a slot's cost) and slower to assign (the forwarding ``__setattr__``). Besides the
+    per-call state: what the event paths build (``want_*``, refreshed by ``_sync_deltas`` whenever the sinks
+    change), and the clock, thread-local binding, bus and raise list, the same objects as the wrapper's
+    ``_w_clock``, ``_w_tls``, ``bus`` and ``_w_to_raise`` (set once, at construction)."""
 
-    def __init__(self):
+    __slots__ = (
+        "bus",
+        "clock",
+        "events",
+        "op",
+        "seq",
+        "step",
+        "time_decode",
+        "tls",
+        "to_raise",
+        "want_alloc",
+        "want_decode_alloc",
+        "want_evict",
+        "want_free",
+        "want_ledger",
+        "want_pages",
+        "want_released",
+        "want_step",
+        "want_write",
+    )
+
+    def __init__(self, clock, tls, bus, to_raise: list):
         self.step = 0  # the step counter
         self.seq = 0  # the last event's seq
         self.events: list = []  # events of the call in progress
         self.op = ""  # the op whose page updates are being published
+        self.want_alloc = self.want_free = self.want_released = self.want_pages = False
+        self.want_ledger = self.want_step = self.want_write = self.want_evict = False
+        self.want_decode_alloc = self.time_decode = False
+        self.clock = clock
+        self.tls = tls
+        self.bus = bus
+        self.to_raise = to_raise
 
 
 class _DecodeRun:
@@ -306,15 +339,14 @@ class InstrumentedAllocator:
         s(self, "_w_raise", mode == "raise")
         s(self, "_w_clock", clock)
         s(self, "_w_lock", threading.RLock())
-        # Per-call mutable state lives on a plain slotted object: assigning wrapper attributes goes through the
-        # forwarding __setattr__, which costs a Python call on the hot path.
-        s(self, "_w_st", _CallState())
         s(self, "_w_to_raise", [])
         s(self, "_w_pending", deque())
         s(self, "_w_tls", threading.local())  # batch() binding is per thread
         s(self, "_w_snapshot_every", int(snapshot_every))
         s(self, "_w_mismatch_reported", {})
         s(self, "bus", ev.EventBus(sinks))
+        # Per-call mutable state lives on a plain slotted object (see _CallState).
+        s(self, "_w_st", _CallState(clock, self._w_tls, self.bus, self._w_to_raise))
         s(self, "violations", deque(maxlen=max_violations))
         s(self, "violation_counts", Counter())
         s(self, "trace_id_for", None)
@@ -449,19 +481,21 @@ class InstrumentedAllocator:
                 p.shadow.deltas = []
             elif not want:
                 p.shadow.deltas = None
-        object.__setattr__(self, "_w_want_ledger", self.bus.wants(ev.LedgerUpdate))
-        object.__setattr__(self, "_w_want_pages", want)
+        st, wants = self._w_st, self.bus.wants
+        st.want_ledger = wants(ev.LedgerUpdate)
+        st.want_pages = want
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
-        object.__setattr__(self, "_w_want_alloc", self.bus.wants(ev.Alloc))
+        st.want_alloc = wants(ev.Alloc)
         # alloc_decode's Alloc events only for a sink that reads them: a sink may declare decode_allocs = False (see
-        # events.py); implies _w_want_alloc. The call is timed for those and for a refusal's AllocFailed.
-        want_decode = self.bus.wants_decode_allocs()
-        object.__setattr__(self, "_w_want_decode_alloc", want_decode)
-        object.__setattr__(self, "_w_time_decode", want_decode or self.bus.wants(ev.AllocFailed))
-        object.__setattr__(self, "_w_want_free", self.bus.wants(ev.Free))
-        object.__setattr__(self, "_w_want_released", self.bus.wants(ev.RequestReleased))
-        object.__setattr__(self, "_w_want_step", self.bus.wants(ev.StepBoundary))
+        # events.py); implies want_alloc. The call is timed for those and for a refusal's AllocFailed.
+        st.want_decode_alloc = want_decode = self.bus.wants_decode_allocs()
+        st.time_decode = want_decode or wants(ev.AllocFailed)
+        st.want_free = wants(ev.Free)
+        st.want_released = wants(ev.RequestReleased)
+        st.want_step = wants(ev.StepBoundary)
+        st.want_write = wants(ev.LedgerWrite)
+        st.want_evict = wants(ev.SwaEvict)
 
     def batch(self, rids: Sequence, *, lens: Sequence[int] | None = None):
         """Bind the next calls' per-request segments to ``rids``, in batch order (a context manager; entering it
@@ -549,21 +583,21 @@ class InstrumentedAllocator:
                     self._boundary_checks("step")
             bus = self.bus
             if bus.active:
-                if self._w_want_pages:
+                if st.want_pages:
                     self._flush_deltas()
-                if self._w_want_step:
+                if st.want_step:
                     st.seq = seq = st.seq + 1
                     st.events.append(
                         _B_STEP(
                             seq,
-                            self._w_clock(),
+                            st.clock(),
                             st.step,
                             {n: p.shadow.expected_entries for n, p in self._w_pools.items()},
                         )
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
                     self._emit_snapshots()
-            if st.events or self._w_to_raise:
+            if st.events or st.to_raise:
                 self._finish()
 
     def flush(self) -> None:
@@ -648,9 +682,9 @@ class InstrumentedAllocator:
             self._finish()
 
     def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
-        bus = self.bus
-        write = bus.wants(ev.LedgerWrite)
-        evict = field == "swa_evicted_seqlen" and bus.wants(ev.SwaEvict)
+        st = self._w_st
+        write = st.want_write
+        evict = st.want_evict and field == "swa_evicted_seqlen"
         if not (write or evict):
             return  # as with no sink: nothing to build, and a ledger write leaves no page delta to publish
         with self._w_lock:
@@ -898,14 +932,14 @@ class InstrumentedAllocator:
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
             before = self._entries_before() if self._w_capture_before else None
-            timed = self._w_time_decode  # the duration is only read by this call's Alloc or AllocFailed events
+            timed = self._w_st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             t0 = self._w_clock() if timed else 0.0
             try:
                 out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             except ArgumentError as exc:
                 self._invalid(op, exc)
             dt = self._w_clock() - t0 if timed else 0.0
-            allocs = self._w_want_decode_alloc  # this call's Alloc events are built
+            allocs = self._w_st.want_decode_alloc  # this call's Alloc events are built
             if before is not None:
                 self._after_merge_check(before)
             if out is None:
@@ -938,7 +972,7 @@ class InstrumentedAllocator:
                 else:
                     n_new = self._decode_fast(o, seq, slots, bound, bs)
             if n_new is not None:
-                if slots is not None and self._w_want_ledger:
+                if slots is not None and self._w_st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                 if allocs:
                     self._emit_alloc(op, bs, int(n_new), dt)
@@ -978,7 +1012,7 @@ class InstrumentedAllocator:
                 for arr in led.owned.values():
                     arr[openers] += 1
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-            if self._w_want_ledger:
+            if self._w_st.want_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
         full, swa_pool = self._w_full, self._w_swa
         pos = seq - 1
@@ -1506,7 +1540,7 @@ class InstrumentedAllocator:
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = self._w_pools.values()
         before = None if self._w_atomic_free else [p.entries() for p in pools]
-        timed = self._w_want_free  # the duration is only read by the Free events
+        timed = self._w_st.want_free  # the duration is only read by the Free events
         clock = self._w_clock
         t0 = clock() if timed else 0.0
         try:
@@ -1560,7 +1594,7 @@ class InstrumentedAllocator:
                     cap = led.owned["full"][owners] * ps
                     led.allocated[owners] = np.minimum(led.allocated[owners], cap)
                     led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
-            if self._w_want_free:
+            if self._w_st.want_free:
                 self._emit(
                     ev.Free,
                     op=op,
@@ -1596,11 +1630,11 @@ class InstrumentedAllocator:
             if led.committed.item(s) > allocated:
                 led.committed[s] = allocated
         rids = None
-        if self._w_want_free:
+        st = self._w_st
+        if st.want_free:
             rids = (led.rid_of(s),)
-            st = self._w_st
             st.seq = seq = st.seq + 1
-            st.events.append(_B_FREE(seq, self._w_clock(), st.step, op, pool.name, int(n_entries), rids, duration))
+            st.events.append(_B_FREE(seq, st.clock(), st.step, op, pool.name, int(n_entries), rids, duration))
         for arr in led.owned.values():
             if arr.item(s) > 0:
                 break
@@ -1608,7 +1642,7 @@ class InstrumentedAllocator:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        if self._w_want_ledger:
+        if st.want_ledger:
             # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
             self._emit_ledger(op, owners, rids or (led.rid_of(s),), private=True)
 
@@ -1807,10 +1841,10 @@ class InstrumentedAllocator:
                 op="release",
                 pool=next(n for n, v in held.items() if v),
             )
-        if self._w_want_released:
-            st = self._w_st
+        st = self._w_st
+        if st.want_released:
             st.seq = seq = st.seq + 1
-            st.events.append(_B_RELEASED(seq, self._w_clock(), st.step, rid, total, peak))
+            st.events.append(_B_RELEASED(seq, st.clock(), st.step, rid, total, peak))
         led.release(rid, leaked=total > 0)
         led.tainted.discard(slot)
 
@@ -1961,15 +1995,15 @@ class InstrumentedAllocator:
     def _emit(self, cls, **fields) -> None:
         st = self._w_st
         st.seq += 1
-        st.events.append(_make_event(cls, st.seq, self._w_clock(), st.step, fields))
+        st.events.append(_make_event(cls, st.seq, st.clock(), st.step, fields))
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
-        if self._w_want_alloc:
-            bound = getattr(self._w_tls, "bound", None)
-            st = self._w_st
+        st = self._w_st
+        if st.want_alloc:
+            bound = getattr(st.tls, "bound", None)
             st.seq = seq = st.seq + 1
             st.events.append(
-                _B_ALLOC(seq, self._w_clock(), st.step, op, pool, n_slots, n_pages, bound[0] if bound else (), dt)
+                _B_ALLOC(seq, st.clock(), st.step, op, pool, n_slots, n_pages, bound[0] if bound else (), dt)
             )
 
     def _emit_snapshots(self) -> None:
@@ -1992,15 +2026,15 @@ class InstrumentedAllocator:
             )
 
     def _flush_deltas(self) -> None:
-        if not self._w_want_pages:
-            return
         st = self._w_st
+        if not st.want_pages:
+            return
         for p in self._w_pools.values():
             shadow = p.shadow
             deltas = shadow.deltas
             if deltas:  # take_deltas, inlined: most calls have nothing to publish in some pool
                 shadow.deltas = []
-                clock, op, step, events, name = self._w_clock, st.op, st.step, st.events, p.name
+                clock, op, step, events, name = st.clock, st.op, st.step, st.events, p.name
                 for pages, owners in deltas:
                     st.seq = seq = st.seq + 1
                     events.append(_B_PAGES(seq, clock(), step, op, name, pages, owners))
@@ -2009,14 +2043,14 @@ class InstrumentedAllocator:
         """A ``LedgerUpdate`` of ``slots`` (when some sink reads them). ``private``: the caller guarantees that
         nothing ever writes ``slots`` again (a fresh array no one else holds, or a read-only one whose memory no
         one writes), so the event may keep it as it is instead of a copy."""
-        if self._w_want_ledger and slots.size:
+        st = self._w_st
+        if st.want_ledger and slots.size:
             led = self.ledger
-            st = self._w_st
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_LEDGER(
                     seq,
-                    self._w_clock(),
+                    st.clock(),
                     st.step,
                     op,
                     rids if rids is not None else tuple(led.rid_of(int(x)) for x in slots),
@@ -2029,17 +2063,25 @@ class InstrumentedAllocator:
             )
 
     def _deliver(self) -> None:
-        if self._w_want_pages:
-            self._flush_deltas()
+        """Hand the call's events (page deltas first published as events when read) to the sinks, as one batch."""
         st = self._w_st
+        if st.want_pages:
+            self._flush_deltas()
         if st.events:
             batch, st.events = st.events, []
-            self.bus.deliver(batch)
+            st.bus.deliver(batch)
 
     def _finish(self) -> None:
         """End of a call: hand the events to the sinks, then (raise mode) raise the first violation."""
-        self._deliver()
-        if self._w_to_raise:
-            first = self._w_to_raise[0]
-            self._w_to_raise.clear()
+        # _deliver, inlined: every call that built an event ends here (one method call less per call).
+        st = self._w_st
+        if st.want_pages:
+            self._flush_deltas()
+        if st.events:
+            batch, st.events = st.events, []
+            st.bus.deliver(batch)
+        to_raise = st.to_raise
+        if to_raise:
+            first = to_raise[0]
+            to_raise.clear()
             raise InvariantViolation(first)
