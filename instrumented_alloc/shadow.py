@@ -57,7 +57,7 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     return srt[keep]
 
 
-def _has_repeat(a: np.ndarray) -> bool:
+def has_repeat(a: np.ndarray) -> bool:
     """Whether some value occurs twice in a 1-D integer array."""
     n = a.size
     if n < 2:
@@ -276,7 +276,7 @@ class PoolShadow:
                 busy = np.count_nonzero((prev < USED_UNOWNED) & (prev != HELD_SET))
             else:
                 busy = np.count_nonzero(prev < USED_UNOWNED)
-            if not busy and (dedup or not _has_repeat(pages)):
+            if not busy and (dedup or not has_repeat(pages)):
                 return [], (pages, pages, prev, int(pages.size), dedup)
         bad: list = []
         n_entries = int(pages.size)
@@ -308,7 +308,7 @@ class PoolShadow:
             inuse |= prev == HELD_SET
         if not inuse.all():
             bad += self._classify_free(vpages, prev, inuse, op)
-        if not dedup and vpages.size > 1 and _has_repeat(vpages):
+        if not dedup and vpages.size > 1 and has_repeat(vpages):
             u, counts = np.unique(vpages, return_counts=True)
             twice = u[counts > 1]
             if twice.size:

@@ -49,7 +49,7 @@ from instrumented_alloc.argcheck import (
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
-from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot
+from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot, has_repeat, sorted_unique
 
 MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
@@ -330,6 +330,12 @@ class InstrumentedAllocator:
         s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
+        # Immediate frees with a power-of-two page size > 1 on paged pools take the fast path first.
+        s(
+            self,
+            "_w_fast_free",
+            not deferred and ps > 1 and self._w_shift is not None and all(p.dedup_free for p in self._w_pools.values()),
+        )
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
         self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too
@@ -767,8 +773,11 @@ class InstrumentedAllocator:
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
             ext = seq - prefix
-            ceil_prefix = (prefix + ps - 1) // ps
-            ceil_seq = (seq + ps - 1) // ps
+            m = ps - 1
+            if shift is not None:  # a shift floors as // does, for a third of the cost
+                ceil_prefix, ceil_seq = (prefix + m) >> shift, (seq + m) >> shift
+            else:
+                ceil_prefix, ceil_seq = (prefix + m) // ps, (seq + m) // ps
             grow = ceil_seq - ceil_prefix
             # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
             # Python (a microsecond each on a batch).
@@ -781,10 +790,19 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
-            # Position of every returned slot, and whether it opens a page taken from the free list.
-            first = _ADD.accumulate(ext) - ext
-            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-            new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            # Position of every returned slot, and whether it opens a page taken from the free list: None when
+            # every prefix ends on a page boundary (fresh requests, whole-page chunks), where every slot does
+            # (on_alloc reads None as all new, and judges it with one comparison instead of a select).
+            if bs == 1:
+                p0 = prefix.item(0)
+                pos = np.arange(p0, p0 + n, dtype=np.int64)
+            else:
+                first = _ADD.accumulate(ext) - ext
+                pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+            if np.count_nonzero(prefix & m if shift is not None else prefix % ps):
+                new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            else:
+                new_mask = None
             own = -1 if slots is None else slots.repeat(ext)
             full, swa_pool = self._w_full, self._w_swa
             if slots is not None:
@@ -802,7 +820,7 @@ class InstrumentedAllocator:
                     swa_n_new = (tail + ps - 1) // ps
                     swa_grow = np.array([swa_n_new], np.int64)
                     swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                    swa_new = np.ones(tail, bool)
+                    swa_new = None  # every tail slot opens its page
                     swa_own = own if slots is None else own[-tail:]
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
@@ -1129,10 +1147,69 @@ class InstrumentedAllocator:
                     self._segment_args(op, index, start_pos)
             if index.numel() == 0:
                 return forward()
+            if self._w_fast_free:
+                result = self._free_fast(op, index, forward)
+                if result is not _ABSENT:
+                    return result
             parts = parts_of(index, op)
             if parts is None:
                 return forward()
             return self._free(op, forward, parts)
+
+    def _free_fast(self, op: str, index, forward: Callable):
+        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices), for the case
+        where every check passes: every page it releases, in each pool, is in use by one and the same request;
+        no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment are all
+        mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped (``free_full``,
+        ``free_full_segment``). Then it forwards and mirrors exactly as the general path does (the same plans
+        through ``_forward_free``) and returns the inner's result. Anything else (a fault, another op, another
+        dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and reports it.
+
+        The pages per pool are the general path's parts computed directly (``_full_set_part``,
+        ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures."""
+        idx = index.numpy()
+        if idx.dtype is not _I64:
+            return _ABSENT
+        ps, shift = self._w_ps, self._w_shift
+        full, swa = self._w_full, self._w_swa
+        if swa is None:
+            if op == "free_segment":
+                parts = ((full, idx[::ps] >> shift, False),)
+            elif op == "free" or op == "free_full" or op == "free_full_segment":
+                parts = ((full, idx >> shift, True),)  # set-shaped on a single pool
+            else:
+                return _ABSENT
+        elif op == "free_swa_segment" or op == "free_segment":
+            reps = idx[::ps]
+            # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
+            # general path's swa_mapping_inconsistent.
+            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
+            if np.count_nonzero(peers <= 0):
+                return _ABSENT
+            if op == "free_segment":
+                parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
+            else:
+                parts = ((swa, peers >> shift, False),)
+        elif op == "free_full" or op == "free_full_segment":
+            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
+            if np.count_nonzero(peers > 0):
+                return _ABSENT  # a live SWA peer: the general path reports it
+            parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
+        else:
+            return _ABSENT
+        plans = []
+        for pool, pages, dedup in parts:
+            if dedup:
+                pages = sorted_unique(pages)
+            # One clipped gather (a page outside the pool reads as reserved) and one memcmp: every page owned by
+            # the first page's owner, a request (>= 0). That is plan_free's usual case with the owner known.
+            prev = pool.shadow._owner_ext.take(pages, mode="clip")
+            if prev.item(0) < 0 or prev.tobytes() != prev[:1].tobytes() * prev.size:
+                return _ABSENT
+            if not dedup and has_repeat(pages):
+                return _ABSENT
+            plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
+        return self._forward_free(op, forward, plans)
 
     def _free_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
@@ -1410,6 +1487,12 @@ class InstrumentedAllocator:
             plans.append((pool, plan))
         if self._w_raise and self._w_to_raise:
             self._finish()  # raises: the inner allocator never sees the bad free
+        return self._forward_free(op, forward, plans)
+
+    def _forward_free(self, op: str, forward: Callable, plans: list):
+        """Forward a checked immediate free, then mirror its plans (and deliver). If the inner raises after
+        changing its free lists (SGLang's post-condition asserts do), the change is mirrored before the exception
+        propagates; if it raised before changing anything, nothing is."""
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = self._w_pools.values()
