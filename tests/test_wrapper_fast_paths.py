@@ -4,12 +4,15 @@ faults give the same violations -- id, message, request, pool, op -- and leave t
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from instrumented_alloc.invariants import InvariantViolation
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
 
 PS = 4
@@ -131,6 +134,102 @@ def swa_free_in_group(verify):
     return w
 
 
+def paged_frees_clean(verify):
+    # Every free op the fast path takes on a single pool, outside and inside a free group.
+    w, reqs = _start(paged, verify, lens=(2 * PS + 1, 3 * PS, PS + 2))
+    extra = [Req(f"x{i}") for i in range(3)]
+    _extend(w, extra, [2 * PS, PS + 1, 3 * PS])
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)  # a tail by segment, then the rest
+    w.free(t(reqs[0].row[:PS]))
+    w.free_full(t(reqs[1].row))
+    w.free_group_begin()
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_segment(t(extra[0].row), start_pos=0)
+    w.free(t(extra[1].row))
+    w.free_group_end()
+    w.free(t(extra[2].row + extra[2].row))  # the same pages twice: the inner dedups, no fault
+    for r in reqs + extra:
+        w.release_request(r.rid)
+    w.step()
+    return w
+
+
+def swa_frees_clean(verify):
+    w, reqs = _start(swa, verify, lens=(3 * PS, 2 * PS + 1, 2 * PS, PS + 3))
+    w.free_swa_segment(t(reqs[0].row[:PS]), start_pos=0)  # an eviction, then the engine's ledger write
+    w.ledger[reqs[0].rid].swa_evicted_seqlen = PS
+    w.free_swa_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    w.free_full(t(reqs[0].row))
+    w.free_segment(t(reqs[1].row), start_pos=0)  # both pools by segment
+    w.free_group_begin()
+    w.free_swa_segment(t(reqs[2].row), start_pos=0)
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_segment(t(reqs[3].row[PS:]), start_pos=PS)
+    w.free_group_end()
+    w.free_segment(t(reqs[3].row[:PS]), start_pos=0)
+    for r in reqs:
+        w.release_request(r.rid)
+    w.step()
+    return w
+
+
+def paged_segment_twice(verify):
+    w, reqs = _start(paged, verify, lens=(2 * PS, PS))
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    w.free_segment(t(reqs[0].row), start_pos=0)  # its second page again: double_free
+    w.free_segment(t(reqs[1].row + reqs[1].row), start_pos=0)  # one page twice in one call (no dedup)
+    return w
+
+
+def paged_free_pages_of_two_requests_and_free_page(verify):
+    w, reqs = _start(paged, verify, lens=(2 * PS, 2 * PS, PS))
+    w.free_full(t(reqs[0].row[:PS] + reqs[1].row[:PS]))  # two owners: the general path, no fault
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_full_segment(t(reqs[2].row), start_pos=0)  # double_free
+    w.free_segment(t([10_000 * PS]), start_pos=0)  # a page past the end
+    w.free(t([3]))  # page 0, reserved
+    return w
+
+
+def swa_full_with_live_peer(verify):
+    w, reqs = _start(swa, verify, lens=(2 * PS, PS))
+    w.free_full(t(reqs[0].row))  # its SWA KV still held: swa_mapping_inconsistent
+    w.free_full_segment(t(reqs[1].row), start_pos=0)  # the same, by segment
+    return w
+
+
+def swa_segment_of_evicted_peer(verify):
+    w, reqs = _start(swa, verify, lens=(3 * PS, 2 * PS))
+    w.free_swa_segment(t(reqs[0].row[:PS]), start_pos=0)
+    w.free_segment(t(reqs[0].row), start_pos=0)  # the first page's SWA peer is gone: unmapped
+    # One SWA page twice: reported before the call; the inner then over-credits its pool and its own
+    # post-condition raises after the change, which the wrapper mirrors.
+    with contextlib.suppress(AssertionError):
+        w.free_swa_segment(t(reqs[1].row[PS:] + reqs[1].row[PS:]), start_pos=PS)
+    return w
+
+
+def paged_extend_chunks(verify):
+    # Extends whose prefixes end inside a page (the open-page mask) and on a boundary (none), clean and with
+    # a page in use at the free list's head.
+    w, reqs = _start(paged, verify, lens=(PS + 1, PS, 2))
+    _extend(w, reqs, [PS - 1, PS + 3, 1])
+    _extend(w, reqs[1:], [2, PS])
+    w.inner.free_pages = torch.cat([t([reqs[0].row[0] // PS]), w.inner.free_pages])
+    _extend(w, reqs[:1], [PS])  # aligned prefix: duplicate_allocation
+    return w
+
+
+def swa_extend_chunks(verify):
+    w, reqs = _start(swa, verify, lens=(PS + 1, PS, 2))
+    _extend(w, reqs, [PS - 1, PS + 3, 1])
+    inner = w.inner.swa_attn_allocator
+    page = int(w.inner.full_to_swa_index_mapping[reqs[1].row[0]]) // PS
+    inner.free_pages = torch.cat([t([page]), inner.free_pages])
+    _extend(w, reqs[:1], [PS])  # the SWA side hands out a page in use
+    return w
+
+
 SCENARIOS = [
     swa_decode_page_in_use,
     swa_decode_peer_misaligned,
@@ -143,6 +242,14 @@ SCENARIOS = [
     segment_repeat,
     swa_segment_twice,
     swa_free_in_group,
+    paged_frees_clean,
+    swa_frees_clean,
+    paged_segment_twice,
+    paged_free_pages_of_two_requests_and_free_page,
+    swa_full_with_live_peer,
+    swa_segment_of_evicted_peer,
+    paged_extend_chunks,
+    swa_extend_chunks,
 ]
 
 
@@ -157,7 +264,8 @@ def _outcome(w):
     shadows = {n: (s.owner.tolist(), p.shadow.expected_entries) for (n, s), p in zip(snap.items(), w._w_pools.values())}
     return found, rows, owned, shadows
 
-CLEAN = {swa_decode_clean, paged_free_two_owners}  # no fault: the fast paths' own bookkeeping is compared
+# No fault: the fast paths' own bookkeeping is compared.
+CLEAN = {swa_decode_clean, paged_free_two_owners, paged_frees_clean, swa_frees_clean}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -176,3 +284,26 @@ def test_guard_entry_is_not_a_page():
     shadow = w._w_full.shadow
     assert shadow.owner.size == shadow.num_pages + 1
     assert np.shares_memory(shadow.owner, shadow._owner_ext)
+
+
+@pytest.mark.parametrize("scenario", [paged_frees_clean, swa_frees_clean], ids=lambda f: f.__name__)
+def test_clean_frees_take_the_fast_path(scenario, monkeypatch):
+    # Every free of a clean run is judged by the fast path: the general immediate path is never reached.
+    def general(*args, **kwargs):
+        raise AssertionError("the general free path ran")
+
+    monkeypatch.setattr(InstrumentedAllocator, "_free_now", general)
+    assert _outcome(scenario("immediate"))[0] == []
+
+
+def test_fast_free_refused_in_raise_mode_before_the_inner_sees_it():
+    # A fault the fast path leaves to the general path is still refused before the call in raise mode.
+    w = InstrumentedAllocator(paged(), mode="raise", verify="immediate")
+    reqs = [Req("a")]
+    _extend(w, reqs, [2 * PS])
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    free_before = w.inner.free_pages.clone()
+    with pytest.raises(InvariantViolation) as info:
+        w.free_segment(t(reqs[0].row), start_pos=0)
+    assert info.value.violation.invariant == "double_free"
+    assert torch.equal(w.inner.free_pages, free_before)
