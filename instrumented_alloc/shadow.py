@@ -420,8 +420,9 @@ class PoolShadow:
             if dedup:
                 pages = sorted_unique(pages)
             n += pages.size
-            v = pages[(pages >= 1) & (pages < self.owner.size)]
-            v = v[self.owner[v] <= HELD_SET]
+            # The held pages that are still held (in range: a clipped gather reads page 0, negatives and pages
+            # past the end as reserved, which is not held).
+            v = pages[self._owner_ext.take(pages, mode="clip") <= HELD_SET]
             self._set(v, code)
         self.held_set, self.held_ids = [], []
         self.expected_entries += n
