@@ -50,6 +50,16 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     n = a.size
     if n < 2:
         return a.copy()
+    if n > 64:
+        # Runs of equal neighbours first (a freed row repeats each page page_size times in a row): the same set
+        # of values, so the same result, with a linear pass instead of sorting every entry.
+        heads = np.empty(n, bool)
+        heads[0] = True
+        np.not_equal(a[1:], a[:-1], out=heads[1:])
+        a = a[heads]
+        n = a.size
+        if n < 2:
+            return a
     srt = np.sort(a)
     keep = np.empty(n, bool)
     keep[0] = True
