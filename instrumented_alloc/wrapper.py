@@ -804,6 +804,15 @@ class InstrumentedAllocator:
             else:
                 new_mask = None
             own = -1 if slots is None else slots.repeat(ext)
+            # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
+            # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
+            # chunks) try the page-run check first (_alloc_runs); the general per-slot check runs otherwise.
+            runs = (
+                new_mask is None
+                and shift is not None
+                and not self._w_deferred
+                and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
+            )
             full, swa_pool = self._w_full, self._w_swa
             if slots is not None:
                 led = self.ledger
@@ -827,26 +836,28 @@ class InstrumentedAllocator:
                     self.ledger.owned["swa"][slots] += swa_grow
 
             def verify(o, s=None):
-                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
-                if shift is not None:
-                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
-                else:
-                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, "full")
-                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
-                if bad:
-                    self._report(bad, "full", op)
-                if s is not None:
+                if not (runs and self._alloc_runs(o, pos, own, full.shadow, n_new)):
+                    # Bit operations where the page size is a power of two (they floor negatives as % and // do).
                     if shift is not None:
-                        misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                        misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
                     else:
-                        misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                        misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
                     if misaligned:
-                        self._misaligned(s, swa_pos, swa_own, op, "swa")
-                    bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                        self._misaligned(o, pos, own, op, "full")
+                    bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
                     if bad:
-                        self._report(bad, "swa", op)
+                        self._report(bad, "full", op)
+                if s is None or (runs and self._alloc_runs(s, swa_pos, swa_own, swa_pool.shadow, swa_n_new)):
+                    return
+                if shift is not None:
+                    misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                else:
+                    misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                if misaligned:
+                    self._misaligned(s, swa_pos, swa_own, op, "swa")
+                bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                if bad:
+                    self._report(bad, "swa", op)
 
             if swa_grow is not None:
                 self._slot_tier(verify, out, peer)
@@ -960,6 +971,38 @@ class InstrumentedAllocator:
             if self._w_st.events or self._w_to_raise:
                 self._finish()
             return out
+
+    def _alloc_runs(self, o: np.ndarray, pos: np.ndarray, own, shadow: PoolShadow, n_new: int) -> bool:
+        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots form runs of
+        page_size consecutive positions from the first (the last run may be shorter), each run one request's
+        (see ``_extend``), for the case where every check passes: each run lies in one page at its positions'
+        offsets (``slot - position`` the same over the run, a multiple of the page size), and each run's page was
+        free. That is the per-slot check (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on
+        one slot per page. Then it applies what ``on_alloc`` applies (owners, the same per-slot page delta when
+        deltas are kept, the free count) and returns True; otherwise it returns False having changed nothing,
+        and the per-slot check runs and reports."""
+        ps, shift = self._w_ps, self._w_shift
+        n = o.size
+        if not n or o.dtype is not _I64:
+            return False
+        q = o - pos
+        k = n >> shift  # whole runs
+        starts = q[::ps]
+        if k and np.count_nonzero(q[: k << shift].reshape(k, ps) != starts[:k, None]):
+            return False
+        if n & (ps - 1) and np.count_nonzero(q[k << shift :] != starts[k]):
+            return False
+        if np.count_nonzero(starts & (ps - 1)):
+            return False  # slot_page_alignment (or a negative slot)
+        # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
+        pages = o[::ps] >> shift
+        if np.count_nonzero(shadow._owner_ext.take(pages, mode="clip") > FREE):
+            return False
+        shadow.owner[pages] = own[::ps] if type(own) is np.ndarray else own
+        if shadow.deltas is not None:
+            shadow.note(o >> shift, own)  # what on_alloc records: one entry per slot
+        shadow.expected_entries -= n_new
+        return True
 
     def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and

@@ -13,6 +13,7 @@ import torch
 from instrumented_alloc import InstrumentedAllocator
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from instrumented_alloc.invariants import InvariantViolation
+from instrumented_alloc.shadow import PoolShadow
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
 
 PS = 4
@@ -230,6 +231,84 @@ def swa_extend_chunks(verify):
     return w
 
 
+def paged_extend_runs_clean(verify):
+    # All-new extends whose pages are runs of PS slots: one request (the last page partial or not), several with
+    # whole pages but the last, a second chunk from a page boundary.
+    w, reqs = _start(paged, verify, lens=(2 * PS, PS, PS + 3))
+    more = [Req(f"m{i}") for i in range(2)]
+    _extend(w, more[:1], [3 * PS - 1])
+    _extend(w, reqs[:2], [PS, 2 * PS + 1])
+    _extend(w, more[1:], [PS])
+    w.step()
+    return w
+
+
+def swa_extend_runs_clean(verify):
+    w, reqs = _start(swa, verify, lens=(2 * PS, PS, PS + 3))
+    _extend(w, reqs[:2], [PS, 2 * PS + 1])
+    w.step()
+    return w
+
+
+def _inner_extend_returns(w, change):
+    # The inner's own method (its class's), changed by ``change``: one change at a time, not stacked.
+    real = type(w.inner).alloc_extend.__get__(w.inner)
+
+    def alloc_extend(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out if out is None else change(out.clone())
+
+    w.inner.alloc_extend = alloc_extend
+
+
+def paged_extend_bad_slots(verify):
+    w, _ = _start(paged, verify, lens=(PS, PS))
+
+    def shifted(out):
+        return out + 1  # every slot one off its position's offset
+
+    def run_over_two_pages(out):
+        out[1] = out[PS + 1]  # aligned, but the first run reaches into the second page
+        return out
+
+    last_page = w.inner.num_pages  # far from the free list's head: handed to no one in this scenario
+
+    def run_into_a_free_page(out):
+        out[1] = last_page * PS + 1  # into a free page
+        return out
+
+    def last_run_into_a_free_page(out):
+        out[-1] = (last_page - 1) * PS + 1  # the same in the last, partial run
+        return out
+
+    def shared_page(out):
+        out[PS : 2 * PS] = out[:PS].clone()  # two runs in one page
+        return out
+
+    def reserved(out):
+        out[:PS] = torch.arange(PS)  # page 0
+        return out
+
+    changes = (shifted, run_over_two_pages, run_into_a_free_page, last_run_into_a_free_page, shared_page, reserved)
+    for i, change in enumerate(changes):
+        _inner_extend_returns(w, change)
+        _extend(w, [Req(f"b{i}")], [2 * PS + 2])
+    return w
+
+
+def swa_extend_bad_slots(verify):
+    w, reqs = _start(swa, verify, lens=(PS, PS))
+    mapping = w.inner.full_to_swa_index_mapping
+
+    def peer_page_in_use(out):
+        mapping[out[:PS]] = mapping[torch.tensor(reqs[0].row)]  # the SWA side lands in a page in use
+        return out
+
+    _inner_extend_returns(w, peer_page_in_use)
+    _extend(w, [Req("b")], [2 * PS])
+    return w
+
+
 SCENARIOS = [
     swa_decode_page_in_use,
     swa_decode_peer_misaligned,
@@ -250,6 +329,10 @@ SCENARIOS = [
     swa_segment_of_evicted_peer,
     paged_extend_chunks,
     swa_extend_chunks,
+    paged_extend_runs_clean,
+    swa_extend_runs_clean,
+    paged_extend_bad_slots,
+    swa_extend_bad_slots,
 ]
 
 
@@ -265,7 +348,14 @@ def _outcome(w):
     return found, rows, owned, shadows
 
 # No fault: the fast paths' own bookkeeping is compared.
-CLEAN = {swa_decode_clean, paged_free_two_owners, paged_frees_clean, swa_frees_clean}
+CLEAN = {
+    swa_decode_clean,
+    paged_free_two_owners,
+    paged_frees_clean,
+    swa_frees_clean,
+    paged_extend_runs_clean,
+    swa_extend_runs_clean,
+}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
@@ -307,3 +397,13 @@ def test_fast_free_refused_in_raise_mode_before_the_inner_sees_it():
         w.free_segment(t(reqs[0].row), start_pos=0)
     assert info.value.violation.invariant == "double_free"
     assert torch.equal(w.inner.free_pages, free_before)
+
+
+@pytest.mark.parametrize("scenario", [paged_extend_runs_clean, swa_extend_runs_clean], ids=lambda f: f.__name__)
+def test_clean_page_run_extends_take_the_fast_check(scenario, monkeypatch):
+    # Their extends are judged one slot per page: the per-slot check (PoolShadow.on_alloc) never runs.
+    def per_slot(*args, **kwargs):
+        raise AssertionError("the per-slot extend check ran")
+
+    monkeypatch.setattr(PoolShadow, "on_alloc", per_slot)
+    assert _outcome(scenario("immediate"))[0] == []
