@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc import wrapper as wrapper_module
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
@@ -407,3 +408,31 @@ def test_clean_page_run_extends_take_the_fast_check(scenario, monkeypatch):
 
     monkeypatch.setattr(PoolShadow, "on_alloc", per_slot)
     assert _outcome(scenario("immediate"))[0] == []
+
+
+def _ledger_mismatches(few: bool, monkeypatch):
+    # Requests whose pages disagree with their ledger in either pool (and one tainted), compared at a step.
+    monkeypatch.setattr(wrapper_module, "_FEW_DIRTY", 64 if few else 0)
+    w, reqs = _start(swa, "immediate", lens=(2 * PS, 2 * PS, PS + 1, 3 * PS, PS))
+    led = w.ledger
+    slots = [led.slot_of(r.rid) for r in reqs]
+    led.owned["full"][slots[0]] += 1
+    led.owned["swa"][slots[1]] -= 1
+    led.owned["full"][slots[3]] -= 2
+    led.owned["swa"][slots[3]] += 1
+    led.owned["full"][slots[4]] += 1
+    led.tainted.add(slots[4])
+    led.dirty.update(slots)
+    w.step()
+    led.dirty.update(slots)
+    w.step()  # the same facts: reported once
+    led.owned["swa"][slots[1]] -= 1
+    led.dirty.update(slots[:2])
+    w.step()  # a new fact for the same request: reported again
+    return [(v.invariant, v.message, v.rid, v.pool, v.op) for v in w.violations]
+
+
+def test_few_and_many_changed_requests_compare_alike(monkeypatch):
+    few = _ledger_mismatches(True, monkeypatch)
+    assert few == _ledger_mismatches(False, monkeypatch)
+    assert [(v[2], v[3]) for v in few] == [("r0", "full"), ("r3", "full"), ("r1", "swa"), ("r3", "swa"), ("r1", "swa")]
