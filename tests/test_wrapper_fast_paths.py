@@ -1,6 +1,7 @@
-"""The fast paths (immediate verification: the decode fast path, the one-gather free check, the one-owner free
-mirror, SWA peers read with numpy) against the general path (verify="deferred" takes none of them): the same
-faults give the same violations -- id, message, request, pool, op -- and leave the same shadow and ledger."""
+"""The fast paths (immediate verification: the decode fast path, the free fast path, the page-run extend check, the
+one-gather free check, the one-owner free mirror, SWA peers read with numpy) against the general path
+(verify="deferred" takes none of them): the same faults give the same violations -- id, message, request, pool,
+op -- and leave the same shadow and ledger."""
 
 from __future__ import annotations
 
@@ -347,6 +348,7 @@ def _outcome(w):
     owned = {n: a[: led.capacity].tolist() for n, a in led.owned.items()}
     shadows = {n: (s.owner.tolist(), p.shadow.expected_entries) for (n, s), p in zip(snap.items(), w._w_pools.values())}
     return found, rows, owned, shadows
+
 
 # No fault: the fast paths' own bookkeeping is compared.
 CLEAN = {
