@@ -53,6 +53,16 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     n = a.size
     if n < 2:
         return a.copy()
+    if n > 64:
+        # Runs of equal neighbours first (a freed row repeats each page page_size times in a row): the same set
+        # of values, so the same result, with a linear pass instead of sorting every entry.
+        heads = np.empty(n, bool)
+        heads[0] = True
+        np.not_equal(a[1:], a[:-1], out=heads[1:])
+        a = a[heads]
+        n = a.size
+        if n < 2:
+            return a
     srt = np.sort(a)
     keep = np.empty(n, bool)
     keep[0] = True
@@ -60,7 +70,7 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     return srt[keep]
 
 
-def _has_repeat(a: np.ndarray) -> bool:
+def has_repeat(a: np.ndarray) -> bool:
     """Whether some value occurs twice in a 1-D integer array."""
     n = a.size
     if n < 2:
@@ -282,7 +292,7 @@ class PoolShadow:
                 busy = np.count_nonzero((prev < USED_UNOWNED) & (prev != HELD_SET))
             else:
                 busy = np.count_nonzero(prev < USED_UNOWNED)
-            if not busy and (dedup or not _has_repeat(pages)):
+            if not busy and (dedup or not has_repeat(pages)):
                 return [], (pages, pages, prev, int(pages.size), dedup)
         bad: list = []
         n_entries = int(pages.size)
@@ -314,7 +324,7 @@ class PoolShadow:
             inuse |= prev == HELD_SET
         if not inuse.all():
             bad += self._classify_free(vpages, prev, inuse, op)
-        if not dedup and vpages.size > 1 and _has_repeat(vpages):
+        if not dedup and vpages.size > 1 and has_repeat(vpages):
             u, counts = np.unique(vpages, return_counts=True)
             twice = u[counts > 1]
             if twice.size:
@@ -426,8 +436,9 @@ class PoolShadow:
             if dedup:
                 pages = sorted_unique(pages)
             n += pages.size
-            v = pages[(pages >= 1) & (pages < self.owner.size)]
-            v = v[self.owner[v] <= HELD_SET]
+            # The held pages that are still held (in range: a clipped gather reads page 0, negatives and pages
+            # past the end as reserved, which is not held).
+            v = pages[self._owner_ext.take(pages, mode="clip") <= HELD_SET]
             self._set(v, code)
         self.held_set, self.held_ids = [], []
         self.expected_entries += n

@@ -49,7 +49,7 @@ from instrumented_alloc.argcheck import (
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
-from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot
+from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot, has_repeat, sorted_unique
 
 MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
@@ -103,6 +103,9 @@ _TAINTING = frozenset(
         "alloc_length_mismatch",
     }
 )
+
+# A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
+_FEW_DIRTY = 8
 
 _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
 
@@ -396,6 +399,12 @@ class InstrumentedAllocator:
         s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
         s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
         s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
+        # Immediate frees with a power-of-two page size > 1 on paged pools take the fast path first.
+        s(
+            self,
+            "_w_fast_free",
+            not deferred and ps > 1 and self._w_shift is not None and all(p.dedup_free for p in self._w_pools.values()),
+        )
         s(self, "_w_off_batch", _OffBatch(self))
         self._sync_deltas()
         self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too
@@ -840,8 +849,11 @@ class InstrumentedAllocator:
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
             ext = seq - prefix
-            ceil_prefix = (prefix + ps - 1) // ps
-            ceil_seq = (seq + ps - 1) // ps
+            m = ps - 1
+            if shift is not None:  # a shift floors as // does, for a third of the cost
+                ceil_prefix, ceil_seq = (prefix + m) >> shift, (seq + m) >> shift
+            else:
+                ceil_prefix, ceil_seq = (prefix + m) // ps, (seq + m) // ps
             grow = ceil_seq - ceil_prefix
             # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
             # Python (a microsecond each on a batch).
@@ -854,11 +866,29 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
-            # Position of every returned slot, and whether it opens a page taken from the free list.
-            first = _ADD.accumulate(ext) - ext
-            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-            new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            # Position of every returned slot, and whether it opens a page taken from the free list: None when
+            # every prefix ends on a page boundary (fresh requests, whole-page chunks), where every slot does
+            # (on_alloc reads None as all new, and judges it with one comparison instead of a select).
+            if bs == 1:
+                p0 = prefix.item(0)
+                pos = np.arange(p0, p0 + n, dtype=np.int64)
+            else:
+                first = _ADD.accumulate(ext) - ext
+                pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+            if np.count_nonzero(prefix & m if shift is not None else prefix % ps):
+                new_mask = pos >= (ceil_prefix * ps).repeat(ext)
+            else:
+                new_mask = None
             own = -1 if slots is None else slots.repeat(ext)
+            # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
+            # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
+            # chunks) try the page-run check first (_alloc_runs); the general per-slot check runs otherwise.
+            runs = (
+                new_mask is None
+                and shift is not None
+                and not self._w_deferred
+                and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
+            )
             full, swa_pool = self._w_full, self._w_swa
             if slots is not None:
                 led = self.ledger
@@ -875,33 +905,35 @@ class InstrumentedAllocator:
                     swa_n_new = (tail + ps - 1) // ps
                     swa_grow = np.array([swa_n_new], np.int64)
                     swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                    swa_new = np.ones(tail, bool)
+                    swa_new = None  # every tail slot opens its page
                     swa_own = own if slots is None else own[-tail:]
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
                     self.ledger.owned["swa"][slots] += swa_grow
 
             def verify(o, s=None):
-                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
-                if shift is not None:
-                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
-                else:
-                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, "full")
-                bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
-                if bad:
-                    self._report(bad, "full", op)
-                if s is not None:
+                if not (runs and self._alloc_runs(o, pos, own, full.shadow, n_new)):
+                    # Bit operations where the page size is a power of two (they floor negatives as % and // do).
                     if shift is not None:
-                        misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                        misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
                     else:
-                        misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                        misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
                     if misaligned:
-                        self._misaligned(s, swa_pos, swa_own, op, "swa")
-                    bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                        self._misaligned(o, pos, own, op, "full")
+                    bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
                     if bad:
-                        self._report(bad, "swa", op)
+                        self._report(bad, "full", op)
+                if s is None or (runs and self._alloc_runs(s, swa_pos, swa_own, swa_pool.shadow, swa_n_new)):
+                    return
+                if shift is not None:
+                    misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                else:
+                    misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                if misaligned:
+                    self._misaligned(s, swa_pos, swa_own, op, "swa")
+                bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                if bad:
+                    self._report(bad, "swa", op)
 
             if swa_grow is not None:
                 self._slot_tier(verify, out, peer)
@@ -1047,6 +1079,39 @@ class InstrumentedAllocator:
         if self._w_st.events or self._w_to_raise:
             self._finish()
         return out
+
+    def _alloc_runs(self, o: np.ndarray, pos: np.ndarray, own, shadow: PoolShadow, n_new: int) -> bool:
+        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots form runs of
+        page_size consecutive positions from the first (the last run may be shorter), each run one request's
+        (see ``_extend``), for the case where every check passes: each run lies in one page at its positions'
+        offsets (``slot - position`` the same over the run, a multiple of the page size), and each run's page was
+        free. That is the per-slot check (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on
+        one slot per page. Then it applies what ``on_alloc`` applies (owners, the same per-slot page delta when
+        deltas are kept, the free count) and returns True; otherwise it returns False having changed nothing,
+        and the per-slot check runs and reports."""
+        ps, shift = self._w_ps, self._w_shift
+        n = o.size
+        if not n or o.dtype is not _I64:
+            return False
+        q = o - pos
+        k = n >> shift  # whole runs
+        starts = q[::ps]
+        if k and np.count_nonzero(q[: k << shift].reshape(k, ps) != starts[:k, None]):
+            return False
+        if n & (ps - 1) and np.count_nonzero(q[k << shift :] != starts[k]):
+            return False
+        if np.count_nonzero(starts & (ps - 1)):
+            return False  # slot_page_alignment (or a negative slot)
+        # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
+        pages = o[::ps] >> shift
+        if np.count_nonzero(shadow._owner_ext.take(pages, mode="clip") > FREE):
+            return False
+        shadow.owner[pages] = own[::ps] if type(own) is np.ndarray else own
+        shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
+        if shadow.deltas is not None:
+            shadow.note(o >> shift, own)  # what on_alloc records: one entry per slot
+        shadow.expected_entries -= n_new
+        return True
 
     def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
@@ -1255,10 +1320,69 @@ class InstrumentedAllocator:
                     self._segment_args(op, index, start_pos)
             if index.numel() == 0:
                 return forward()
+            if self._w_fast_free:
+                result = self._free_fast(op, index, forward)
+                if result is not _ABSENT:
+                    return result
             parts = parts_of(index, op)
             if parts is None:
                 return forward()
             return self._free(op, forward, parts)
+
+    def _free_fast(self, op: str, index, forward: Callable):
+        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices), for the case
+        where every check passes: every page it releases, in each pool, is in use by one and the same request;
+        no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment are all
+        mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped (``free_full``,
+        ``free_full_segment``). Then it forwards and mirrors exactly as the general path does (the same plans
+        through ``_forward_free``) and returns the inner's result. Anything else (a fault, another op, another
+        dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and reports it.
+
+        The pages per pool are the general path's parts computed directly (``_full_set_part``,
+        ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures."""
+        idx = index.numpy()
+        if idx.dtype is not _I64:
+            return _ABSENT
+        ps, shift = self._w_ps, self._w_shift
+        full, swa = self._w_full, self._w_swa
+        if swa is None:
+            if op == "free_segment":
+                parts = ((full, idx[::ps] >> shift, False),)
+            elif op == "free" or op == "free_full" or op == "free_full_segment":
+                parts = ((full, idx >> shift, True),)  # set-shaped on a single pool
+            else:
+                return _ABSENT
+        elif op == "free_swa_segment" or op == "free_segment":
+            reps = idx[::ps]
+            # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
+            # general path's swa_mapping_inconsistent.
+            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
+            if np.count_nonzero(peers <= 0):
+                return _ABSENT
+            if op == "free_segment":
+                parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
+            else:
+                parts = ((swa, peers >> shift, False),)
+        elif op == "free_full" or op == "free_full_segment":
+            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
+            if np.count_nonzero(peers > 0):
+                return _ABSENT  # a live SWA peer: the general path reports it
+            parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
+        else:
+            return _ABSENT
+        plans = []
+        for pool, pages, dedup in parts:
+            if dedup:
+                pages = sorted_unique(pages)
+            # One clipped gather (a page outside the pool reads as reserved) and one memcmp: every page owned by
+            # the first page's owner, a request (>= 0). That is plan_free's usual case with the owner known.
+            prev = pool.shadow._owner_ext.take(pages, mode="clip")
+            if prev.item(0) < 0 or prev.tobytes() != prev[:1].tobytes() * prev.size:
+                return _ABSENT
+            if not dedup and has_repeat(pages):
+                return _ABSENT
+            plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
+        return self._forward_free(op, forward, plans)
 
     def _free_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
@@ -1536,6 +1660,12 @@ class InstrumentedAllocator:
             plans.append((pool, plan))
         if self._w_raise and self._w_to_raise:
             self._finish()  # raises: the inner allocator never sees the bad free
+        return self._forward_free(op, forward, plans)
+
+    def _forward_free(self, op: str, forward: Callable, plans: list):
+        """Forward a checked immediate free, then mirror its plans (and deliver). If the inner raises after
+        changing its free lists (SGLang's post-condition asserts do), the change is mirrored before the exception
+        propagates; if it raised before changing anything, nothing is."""
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = self._w_pools.values()
@@ -1860,47 +1990,85 @@ class InstrumentedAllocator:
     def _check_ledger_pages(self, op: str, every_request: bool) -> None:
         """Pages each request owns against its ledger. A step boundary compares the requests whose ledger or
         pages changed other than by the wrapper's own allocation updates (those keep both in step by
-        construction, and the slot tier verifies the pages they name); flush and sweeps compare every one."""
+        construction, and the slot tier verifies the pages they name); flush and sweeps compare every one.
+        Mismatches are reported pool by pool (full, then swa), each in the order of the compared slots."""
         led = self.ledger
         if every_request:
             slots = led.live_slots()
         else:
-            if not led.dirty:
+            dirty = led.dirty
+            if not dirty:
                 return
-            slots = np.fromiter(led.dirty, np.int64, len(led.dirty))
+            if len(dirty) <= _FEW_DIRTY:
+                # The usual boundary compares a few requests (one eviction, a finish): the same comparison in
+                # Python ints costs a fraction of the dozen numpy calls of the vector form below.
+                self._check_few_ledger_pages(op)
+                return
+            slots = np.fromiter(dirty, np.int64, len(dirty))
             slots = slots[led.live[slots]]
         led.dirty.clear()
         if not slots.size:
             return
-        ps = self._w_ps
-        want_full = (led.allocated[slots] + ps - 1) // ps
+        ps, shift = self._w_ps, self._w_shift
+        # Shifts where the page size is a power of two (they floor as // does, for a third of the cost).
+        allocated = led.allocated[slots] + (ps - 1)
+        want_full = allocated >> shift if shift is not None else allocated // ps
         checks = [("full", want_full)]
         if "swa" in led.owned:
-            checks.append(("swa", want_full - led.evicted[slots] // ps))
-        reported = self._w_mismatch_reported
+            evicted = led.evicted[slots]
+            checks.append(("swa", want_full - (evicted >> shift if shift is not None else evicted // ps)))
         for name, want in checks:
             have = led.owned[name][slots]
-            differ = have != want
-            if not np.count_nonzero(differ):
-                continue  # the usual boundary (np.flatnonzero is a Python-level wrapper: only on a mismatch)
-            for i in np.flatnonzero(differ):
-                s = int(slots[i])
-                if s in led.tainted:
-                    continue  # its root cause (a rejected ledger write) was reported already
-                key = (name, s)
-                fact = (int(want[i]), int(have[i]))
-                if reported.get(key) == fact:
-                    continue
-                reported[key] = fact
-                self._violate(
-                    "ledger_matches_pages",
-                    f"request {led.rid_of(s)!r}: kv_allocated_len={int(led.allocated[s])}"
-                    + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" else "")
-                    + f" means {fact[0]} {name} pages, it owns {fact[1]}",
-                    slot=s,
-                    op=op,
-                    pool=name,
-                )
+            # The usual boundary: equal int64 arrays, one memcmp (np.flatnonzero is a Python-level wrapper: only
+            # on a mismatch).
+            if have.tobytes() == want.tobytes():
+                continue
+            for i in np.flatnonzero(have != want):
+                self._ledger_mismatch(op, name, int(slots[i]), int(want[i]), int(have[i]))
+
+    def _check_few_ledger_pages(self, op: str) -> None:
+        """``_check_ledger_pages`` of the dirty requests, one by one (for a handful of them)."""
+        led = self.ledger
+        live, allocated, evicted = led.live, led.allocated, led.evicted
+        slots = [s for s in led.dirty if live.item(s)]  # the vector form's order: the set's, live ones only
+        led.dirty.clear()
+        ps = self._w_ps
+        full = led.owned["full"]
+        swa = led.owned.get("swa")
+        later = []  # the swa pool's mismatches, reported after every full one
+        for s in slots:
+            want = (allocated.item(s) + ps - 1) // ps
+            have = full.item(s)
+            if have != want:
+                self._ledger_mismatch(op, "full", s, want, have)
+            if swa is not None:
+                want_swa = want - evicted.item(s) // ps
+                have = swa.item(s)
+                if have != want_swa:
+                    later.append((s, want_swa, have))
+        for s, want, have in later:
+            self._ledger_mismatch(op, "swa", s, want, have)
+
+    def _ledger_mismatch(self, op: str, name: str, s: int, want: int, have: int) -> None:
+        """Report that request slot ``s`` owns ``have`` pages of pool ``name`` where its ledger means ``want``:
+        once per distinct fact, and not for a request whose root cause (a rejected ledger write) was reported."""
+        led = self.ledger
+        if s in led.tainted:
+            return
+        key, fact = (name, s), (want, have)
+        reported = self._w_mismatch_reported
+        if reported.get(key) == fact:
+            return
+        reported[key] = fact
+        self._violate(
+            "ledger_matches_pages",
+            f"request {led.rid_of(s)!r}: kv_allocated_len={int(led.allocated[s])}"
+            + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" else "")
+            + f" means {want} {name} pages, it owns {have}",
+            slot=s,
+            op=op,
+            pool=name,
+        )
 
     def _sweep_leaks(self) -> None:
         led = self.ledger

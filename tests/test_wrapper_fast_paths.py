@@ -1,8 +1,11 @@
-"""The fast paths (immediate verification: the decode fast path, the one-gather free check, the one-owner free
-mirror, SWA peers read with numpy) against the general path (verify="deferred" takes none of them): the same
-faults give the same violations -- id, message, request, pool, op -- and leave the same shadow and ledger."""
+"""The fast paths (immediate verification: the decode fast path and its decode runs, the free fast path, the
+page-run extend check, the one-gather free check, the one-owner free mirror, SWA peers read with numpy) against the
+general path (verify="deferred" takes none of them): the same faults give the same violations -- id, message,
+request, pool, op -- and leave the same shadow and ledger."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -10,6 +13,8 @@ import torch
 
 from instrumented_alloc import InstrumentedAllocator, wrapper
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from instrumented_alloc.invariants import InvariantViolation
+from instrumented_alloc.shadow import PoolShadow
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
 
 PS = 4
@@ -202,6 +207,180 @@ def paged_decode_run_unbound(verify):
     return w
 
 
+def paged_frees_clean(verify):
+    # Every free op the fast path takes on a single pool, outside and inside a free group.
+    w, reqs = _start(paged, verify, lens=(2 * PS + 1, 3 * PS, PS + 2))
+    extra = [Req(f"x{i}") for i in range(3)]
+    _extend(w, extra, [2 * PS, PS + 1, 3 * PS])
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)  # a tail by segment, then the rest
+    w.free(t(reqs[0].row[:PS]))
+    w.free_full(t(reqs[1].row))
+    w.free_group_begin()
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_segment(t(extra[0].row), start_pos=0)
+    w.free(t(extra[1].row))
+    w.free_group_end()
+    w.free(t(extra[2].row + extra[2].row))  # the same pages twice: the inner dedups, no fault
+    for r in reqs + extra:
+        w.release_request(r.rid)
+    w.step()
+    return w
+
+
+def swa_frees_clean(verify):
+    w, reqs = _start(swa, verify, lens=(3 * PS, 2 * PS + 1, 2 * PS, PS + 3))
+    w.free_swa_segment(t(reqs[0].row[:PS]), start_pos=0)  # an eviction, then the engine's ledger write
+    w.ledger[reqs[0].rid].swa_evicted_seqlen = PS
+    w.free_swa_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    w.free_full(t(reqs[0].row))
+    w.free_segment(t(reqs[1].row), start_pos=0)  # both pools by segment
+    w.free_group_begin()
+    w.free_swa_segment(t(reqs[2].row), start_pos=0)
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_segment(t(reqs[3].row[PS:]), start_pos=PS)
+    w.free_group_end()
+    w.free_segment(t(reqs[3].row[:PS]), start_pos=0)
+    for r in reqs:
+        w.release_request(r.rid)
+    w.step()
+    return w
+
+
+def paged_segment_twice(verify):
+    w, reqs = _start(paged, verify, lens=(2 * PS, PS))
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    w.free_segment(t(reqs[0].row), start_pos=0)  # its second page again: double_free
+    w.free_segment(t(reqs[1].row + reqs[1].row), start_pos=0)  # one page twice in one call (no dedup)
+    return w
+
+
+def paged_free_pages_of_two_requests_and_free_page(verify):
+    w, reqs = _start(paged, verify, lens=(2 * PS, 2 * PS, PS))
+    w.free_full(t(reqs[0].row[:PS] + reqs[1].row[:PS]))  # two owners: the general path, no fault
+    w.free_full_segment(t(reqs[2].row), start_pos=0)
+    w.free_full_segment(t(reqs[2].row), start_pos=0)  # double_free
+    w.free_segment(t([10_000 * PS]), start_pos=0)  # a page past the end
+    w.free(t([3]))  # page 0, reserved
+    return w
+
+
+def swa_full_with_live_peer(verify):
+    w, reqs = _start(swa, verify, lens=(2 * PS, PS))
+    w.free_full(t(reqs[0].row))  # its SWA KV still held: swa_mapping_inconsistent
+    w.free_full_segment(t(reqs[1].row), start_pos=0)  # the same, by segment
+    return w
+
+
+def swa_segment_of_evicted_peer(verify):
+    w, reqs = _start(swa, verify, lens=(3 * PS, 2 * PS))
+    w.free_swa_segment(t(reqs[0].row[:PS]), start_pos=0)
+    w.free_segment(t(reqs[0].row), start_pos=0)  # the first page's SWA peer is gone: unmapped
+    # One SWA page twice: reported before the call; the inner then over-credits its pool and its own
+    # post-condition raises after the change, which the wrapper mirrors.
+    with contextlib.suppress(AssertionError):
+        w.free_swa_segment(t(reqs[1].row[PS:] + reqs[1].row[PS:]), start_pos=PS)
+    return w
+
+
+def paged_extend_chunks(verify):
+    # Extends whose prefixes end inside a page (the open-page mask) and on a boundary (none), clean and with
+    # a page in use at the free list's head.
+    w, reqs = _start(paged, verify, lens=(PS + 1, PS, 2))
+    _extend(w, reqs, [PS - 1, PS + 3, 1])
+    _extend(w, reqs[1:], [2, PS])
+    w.inner.free_pages = torch.cat([t([reqs[0].row[0] // PS]), w.inner.free_pages])
+    _extend(w, reqs[:1], [PS])  # aligned prefix: duplicate_allocation
+    return w
+
+
+def swa_extend_chunks(verify):
+    w, reqs = _start(swa, verify, lens=(PS + 1, PS, 2))
+    _extend(w, reqs, [PS - 1, PS + 3, 1])
+    inner = w.inner.swa_attn_allocator
+    page = int(w.inner.full_to_swa_index_mapping[reqs[1].row[0]]) // PS
+    inner.free_pages = torch.cat([t([page]), inner.free_pages])
+    _extend(w, reqs[:1], [PS])  # the SWA side hands out a page in use
+    return w
+
+
+def paged_extend_runs_clean(verify):
+    # All-new extends whose pages are runs of PS slots: one request (the last page partial or not), several with
+    # whole pages but the last, a second chunk from a page boundary.
+    w, reqs = _start(paged, verify, lens=(2 * PS, PS, PS + 3))
+    more = [Req(f"m{i}") for i in range(2)]
+    _extend(w, more[:1], [3 * PS - 1])
+    _extend(w, reqs[:2], [PS, 2 * PS + 1])
+    _extend(w, more[1:], [PS])
+    w.step()
+    return w
+
+
+def swa_extend_runs_clean(verify):
+    w, reqs = _start(swa, verify, lens=(2 * PS, PS, PS + 3))
+    _extend(w, reqs[:2], [PS, 2 * PS + 1])
+    w.step()
+    return w
+
+
+def _inner_extend_returns(w, change):
+    # The inner's own method (its class's), changed by ``change``: one change at a time, not stacked.
+    real = type(w.inner).alloc_extend.__get__(w.inner)
+
+    def alloc_extend(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out if out is None else change(out.clone())
+
+    w.inner.alloc_extend = alloc_extend
+
+
+def paged_extend_bad_slots(verify):
+    w, _ = _start(paged, verify, lens=(PS, PS))
+
+    def shifted(out):
+        return out + 1  # every slot one off its position's offset
+
+    def run_over_two_pages(out):
+        out[1] = out[PS + 1]  # aligned, but the first run reaches into the second page
+        return out
+
+    last_page = w.inner.num_pages  # far from the free list's head: handed to no one in this scenario
+
+    def run_into_a_free_page(out):
+        out[1] = last_page * PS + 1  # into a free page
+        return out
+
+    def last_run_into_a_free_page(out):
+        out[-1] = (last_page - 1) * PS + 1  # the same in the last, partial run
+        return out
+
+    def shared_page(out):
+        out[PS : 2 * PS] = out[:PS].clone()  # two runs in one page
+        return out
+
+    def reserved(out):
+        out[:PS] = torch.arange(PS)  # page 0
+        return out
+
+    changes = (shifted, run_over_two_pages, run_into_a_free_page, last_run_into_a_free_page, shared_page, reserved)
+    for i, change in enumerate(changes):
+        _inner_extend_returns(w, change)
+        _extend(w, [Req(f"b{i}")], [2 * PS + 2])
+    return w
+
+
+def swa_extend_bad_slots(verify):
+    w, reqs = _start(swa, verify, lens=(PS, PS))
+    mapping = w.inner.full_to_swa_index_mapping
+
+    def peer_page_in_use(out):
+        mapping[out[:PS]] = mapping[torch.tensor(reqs[0].row)]  # the SWA side lands in a page in use
+        return out
+
+    _inner_extend_returns(w, peer_page_in_use)
+    _extend(w, [Req("b")], [2 * PS])
+    return w
+
+
 SCENARIOS = [
     swa_decode_page_in_use,
     swa_decode_peer_misaligned,
@@ -220,6 +399,18 @@ SCENARIOS = [
     paged_decode_run_lengths_skip,
     paged_decode_run_repeated,
     paged_decode_run_unbound,
+    paged_frees_clean,
+    swa_frees_clean,
+    paged_segment_twice,
+    paged_free_pages_of_two_requests_and_free_page,
+    swa_full_with_live_peer,
+    swa_segment_of_evicted_peer,
+    paged_extend_chunks,
+    swa_extend_chunks,
+    paged_extend_runs_clean,
+    swa_extend_runs_clean,
+    paged_extend_bad_slots,
+    swa_extend_bad_slots,
 ]
 
 
@@ -240,6 +431,10 @@ CLEAN = {
     paged_decode_run_clean,
     paged_decode_run_repeated,
     paged_decode_run_unbound,
+    paged_frees_clean,
+    swa_frees_clean,
+    paged_extend_runs_clean,
+    swa_extend_runs_clean,
 }  # no fault: the fast paths' own bookkeeping is compared
 
 
@@ -377,3 +572,64 @@ def test_decode_run_reports_as_the_full_check_on_a_random_engine(seed, monkeypat
     with_runs = _outcome(_random_engine(seed))
     monkeypatch.setattr(wrapper, "_DecodeRun", lambda *args: None)
     assert _outcome(_random_engine(seed)) == with_runs
+
+
+@pytest.mark.parametrize("scenario", [paged_frees_clean, swa_frees_clean], ids=lambda f: f.__name__)
+def test_clean_frees_take_the_fast_path(scenario, monkeypatch):
+    # Every free of a clean run is judged by the fast path: the general immediate path is never reached.
+    def general(*args, **kwargs):
+        raise AssertionError("the general free path ran")
+
+    monkeypatch.setattr(InstrumentedAllocator, "_free_now", general)
+    assert _outcome(scenario("immediate"))[0] == []
+
+
+def test_fast_free_refused_in_raise_mode_before_the_inner_sees_it():
+    # A fault the fast path leaves to the general path is still refused before the call in raise mode.
+    w = InstrumentedAllocator(paged(), mode="raise", verify="immediate")
+    reqs = [Req("a")]
+    _extend(w, reqs, [2 * PS])
+    w.free_segment(t(reqs[0].row[PS:]), start_pos=PS)
+    free_before = w.inner.free_pages.clone()
+    with pytest.raises(InvariantViolation) as info:
+        w.free_segment(t(reqs[0].row), start_pos=0)
+    assert info.value.violation.invariant == "double_free"
+    assert torch.equal(w.inner.free_pages, free_before)
+
+
+@pytest.mark.parametrize("scenario", [paged_extend_runs_clean, swa_extend_runs_clean], ids=lambda f: f.__name__)
+def test_clean_page_run_extends_take_the_fast_check(scenario, monkeypatch):
+    # Their extends are judged one slot per page: the per-slot check (PoolShadow.on_alloc) never runs.
+    def per_slot(*args, **kwargs):
+        raise AssertionError("the per-slot extend check ran")
+
+    monkeypatch.setattr(PoolShadow, "on_alloc", per_slot)
+    assert _outcome(scenario("immediate"))[0] == []
+
+
+def _ledger_mismatches(few: bool, monkeypatch):
+    # Requests whose pages disagree with their ledger in either pool (and one tainted), compared at a step.
+    monkeypatch.setattr(wrapper, "_FEW_DIRTY", 64 if few else 0)
+    w, reqs = _start(swa, "immediate", lens=(2 * PS, 2 * PS, PS + 1, 3 * PS, PS))
+    led = w.ledger
+    slots = [led.slot_of(r.rid) for r in reqs]
+    led.owned["full"][slots[0]] += 1
+    led.owned["swa"][slots[1]] -= 1
+    led.owned["full"][slots[3]] -= 2
+    led.owned["swa"][slots[3]] += 1
+    led.owned["full"][slots[4]] += 1
+    led.tainted.add(slots[4])
+    led.dirty.update(slots)
+    w.step()
+    led.dirty.update(slots)
+    w.step()  # the same facts: reported once
+    led.owned["swa"][slots[1]] -= 1
+    led.dirty.update(slots[:2])
+    w.step()  # a new fact for the same request: reported again
+    return [(v.invariant, v.message, v.rid, v.pool, v.op) for v in w.violations]
+
+
+def test_few_and_many_changed_requests_compare_alike(monkeypatch):
+    few = _ledger_mismatches(True, monkeypatch)
+    assert few == _ledger_mismatches(False, monkeypatch)
+    assert [(v[2], v[3]) for v in few] == [("r0", "full"), ("r3", "full"), ("r1", "swa"), ("r3", "swa"), ("r1", "swa")]
