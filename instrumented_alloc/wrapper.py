@@ -911,29 +911,24 @@ class InstrumentedAllocator:
                 if swa_grow is not None and slots is not None:
                     self.ledger.owned["swa"][slots] += swa_grow
 
-            def verify(o, s=None):
-                if not (runs and self._alloc_runs(o, pos, own, full.shadow, n_new)):
-                    # Bit operations where the page size is a power of two (they floor negatives as % and // do).
-                    if shift is not None:
-                        misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
-                    else:
-                        misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
-                    if misaligned:
-                        self._misaligned(o, pos, own, op, "full")
-                    bad = full.shadow.on_alloc(pages, own, new_mask, n_new, op)
-                    if bad:
-                        self._report(bad, "full", op)
-                if s is None or (runs and self._alloc_runs(s, swa_pos, swa_own, swa_pool.shadow, swa_n_new)):
+            def check(o, pos, own, pool, new, n, name):
+                if runs and self._alloc_runs(o, pos, own, pool.shadow, n):
                     return
+                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
                 if shift is not None:
-                    misaligned, pages = np.count_nonzero((s - swa_pos) & (ps - 1)), s >> shift
+                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
                 else:
-                    misaligned, pages = np.count_nonzero((s - swa_pos) % ps), s // ps
+                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
                 if misaligned:
-                    self._misaligned(s, swa_pos, swa_own, op, "swa")
-                bad = swa_pool.shadow.on_alloc(pages, swa_own, swa_new, swa_n_new, op)
+                    self._misaligned(o, pos, own, op, name)
+                bad = pool.shadow.on_alloc(pages, own, new, n, op)
                 if bad:
-                    self._report(bad, "swa", op)
+                    self._report(bad, name, op)
+
+            def verify(o, s=None):
+                check(o, pos, own, full, new_mask, n_new, "full")
+                if s is not None:
+                    check(s, swa_pos, swa_own, swa_pool, swa_new, swa_n_new, "swa")
 
             if swa_grow is not None:
                 self._slot_tier(verify, out, peer)
