@@ -542,7 +542,8 @@ class _FastSpan:
 
 
 class _Req:
-    """An open request span and what will be set on it at the end."""
+    """An open request span (an SDK span: a provider passed in, or a sampler or limits the fast path leaves to the
+    SDK) and what will be set on it at the end. ``_FastReq`` is the same record holding the span itself."""
 
     __slots__ = (
         "allocated",
@@ -564,6 +565,123 @@ class _Req:
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
+
+    def add_event(self, name: str, attrs: dict) -> None:
+        self.span.add_event(name, attrs)
+
+    def set_status(self, status: Status) -> None:
+        self.span.set_status(status)
+
+    def context(self) -> SpanContext:
+        return self.span.get_span_context()
+
+    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
+        """Set the final attributes (in the order below) and end the span."""
+        span = self.span
+        if at_shutdown:
+            span.set_attribute("kv.open_at_shutdown", True)
+        attrs = {
+            "kv.allocated_len": self.allocated,
+            "kv.committed_len": self.committed,
+            "kv.swa_evicted_seqlen": self.evicted,
+            "kv.violations": self.violations,
+            "kv.decode_steps": self.decode_steps,
+            "kv.events_dropped": self.dropped,
+        }
+        if peak is not None:
+            attrs["kv.pages.peak"] = peak
+        if held is not None:
+            attrs["kv.pages.held_at_release"] = held
+        span.set_attributes(attrs)
+        span.end()
+
+
+class _FastReq(_Req):
+    """A request span of the fast path (see ``_FastSpan``, whose results it gives) and its record in one object:
+    the start attributes are kept as values, the events in a list, and ``finish`` builds the span's one attribute
+    dict and its ``ReadableSpan`` at the end (no span object lives in between). ``span`` is None. Not thread-safe:
+    used under the exporter's lock; finished once (the exporter drops it from its open requests as it does)."""
+
+    __slots__ = ("_ctx", "events", "id_attr", "page_size", "span_id", "start_time", "status", "trace_id", "tracer")
+
+    def __init__(self, tracer: _FastTracer, id_attr, page_size: int):
+        self.span = None
+        self.allocated = self.committed = self.evicted = 0
+        self.cur_allocated = self.cur_committed = 0
+        self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        ids = tracer.ids
+        self.tracer = tracer
+        self.id_attr = id_attr
+        self.page_size = page_size
+        self.trace_id = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
+        self.span_id = ids.generate_span_id()
+        self.events: list = []
+        self.status = _UNSET
+        self._ctx: SpanContext | None = None
+        self.start_time = time.time_ns()
+
+    def add_event(self, name: str, attrs: dict) -> None:
+        self.events.append(_make_event(name, attrs, time.time_ns()))
+
+    def set_status(self, status: Status) -> None:
+        self.status = status
+
+    def context(self) -> SpanContext:
+        ctx = self._ctx
+        if ctx is None:  # as _FastSpan.get_span_context builds it
+            tid, sid = self.trace_id, self.span_id
+            valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
+        return ctx
+
+    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
+        # One dict, keys in the order the SDK span's would have: the start attributes, then what is set at the end.
+        if held is not None and peak is not None and not at_shutdown:  # a release
+            attrs = {
+                "kv.request.id": self.id_attr,
+                "kv.page_size": self.page_size,
+                "kv.allocated_len": self.allocated,
+                "kv.committed_len": self.committed,
+                "kv.swa_evicted_seqlen": self.evicted,
+                "kv.violations": self.violations,
+                "kv.decode_steps": self.decode_steps,
+                "kv.events_dropped": self.dropped,
+                "kv.pages.peak": peak,
+                "kv.pages.held_at_release": held,
+            }
+        else:
+            attrs = {"kv.request.id": self.id_attr, "kv.page_size": self.page_size}
+            if at_shutdown:
+                attrs["kv.open_at_shutdown"] = True
+            attrs["kv.allocated_len"] = self.allocated
+            attrs["kv.committed_len"] = self.committed
+            attrs["kv.swa_evicted_seqlen"] = self.evicted
+            attrs["kv.violations"] = self.violations
+            attrs["kv.decode_steps"] = self.decode_steps
+            attrs["kv.events_dropped"] = self.dropped
+            if peak is not None:
+                attrs["kv.pages.peak"] = peak
+            if held is not None:
+                attrs["kv.pages.held_at_release"] = held
+        tracer = self.tracer
+        # Positional, in ReadableSpan.__init__'s order (see _FastSpan.end).
+        tracer.processor.admit(
+            _make_readable(
+                SPAN_REQUEST,
+                self.context(),
+                None,  # a root span
+                tracer.resource,
+                attrs,
+                self.events,
+                (),
+                SpanKind.INTERNAL,
+                None,
+                self.status,
+                self.start_time,
+                time.time_ns(),
+                tracer.scope,
+            )
+        )
 
 
 class OtelExporter:
@@ -714,11 +832,11 @@ class OtelExporter:
         with self._lock:
             r = self._open.get(rid)
             if r is not None:
-                return _trace_hex(r.span.get_span_context())
+                return _trace_hex(r.context())
             if self._closed:
                 return None
             if rid in self._ledger:
-                return _trace_hex(self._start(rid).span.get_span_context())
+                return _trace_hex(self._start(rid).context())
             return _trace_hex(self._ended.get(rid))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -748,8 +866,7 @@ class OtelExporter:
             self._open_version += 1
             still_open, self._open = self._open, {}
             for r in still_open.values():
-                r.span.set_attribute("kv.open_at_shutdown", True)
-                self._end(r)
+                r.finish(at_shutdown=True)
         timeout_s = timeout_millis / 1000
         if not self._owns_provider:
             return self.force_flush(timeout_millis)
@@ -794,17 +911,17 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        attrs = {"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps}
         if self._fast is not None:
-            span = self._fast.start_span(SPAN_REQUEST, attrs)
+            r = _FastReq(self._fast, self._id_attr(rid), self._ps)
         else:
-            span = self._tracer.start_span(
-                SPAN_REQUEST,
-                context=Context(),  # a root span: the engine's current context is no parent of a request's KV
-                kind=SpanKind.INTERNAL,
-                attributes=attrs,
+            r = _Req(
+                self._tracer.start_span(
+                    SPAN_REQUEST,
+                    context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+                    kind=SpanKind.INTERNAL,
+                    attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
+                )
             )
-        r = _Req(span)
         self._open[rid] = r
         self._open_version += 1
         self._ended.pop(rid, None)
@@ -818,41 +935,9 @@ class OtelExporter:
         limit = self._max_events if reserved else self._max_events - 1
         if r.n_events < limit:
             r.n_events += 1
-            r.span.add_event(name, attrs)
+            r.add_event(name, attrs)
         else:
             r.dropped += 1
-
-    def _end(self, r: _Req, held: int | None = None, peak: int | None = None) -> None:
-        span = r.span
-        if held is not None and peak is not None:  # a release: one dict, built in the order below
-            span.set_attributes(
-                {
-                    "kv.allocated_len": r.allocated,
-                    "kv.committed_len": r.committed,
-                    "kv.swa_evicted_seqlen": r.evicted,
-                    "kv.violations": r.violations,
-                    "kv.decode_steps": r.decode_steps,
-                    "kv.events_dropped": r.dropped,
-                    "kv.pages.peak": peak,
-                    "kv.pages.held_at_release": held,
-                }
-            )
-            span.end()
-            return
-        attrs = {
-            "kv.allocated_len": r.allocated,
-            "kv.committed_len": r.committed,
-            "kv.swa_evicted_seqlen": r.evicted,
-            "kv.violations": r.violations,
-            "kv.decode_steps": r.decode_steps,
-            "kv.events_dropped": r.dropped,
-        }
-        if peak is not None:
-            attrs["kv.pages.peak"] = peak
-        if held is not None:
-            attrs["kv.pages.held_at_release"] = held
-        span.set_attributes(attrs)
-        span.end()
 
     # -- event handlers ---------------------------------------------------------------------------------------
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
@@ -997,12 +1082,12 @@ class OtelExporter:
         held, peak = e.pages_held, e.pages_peak
         if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
             r.n_events += 1
-            r.span.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
+            r.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
         else:
             r.dropped += 1
-        self._end(r, held=held, peak=peak)
+        r.finish(held, peak)
         ended = self._ended
-        ended[e.rid] = r.span.get_span_context()
+        ended[e.rid] = r.context()
         if len(ended) > _RECENT_ENDED:  # one added at a time: one out
             ended.popitem(last=False)
 
@@ -1025,7 +1110,7 @@ class OtelExporter:
         if r is not None:
             r.violations += 1
             if r.violations == 1:
-                r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
+                r.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
             later.append((r, EV_VIOLATION, attrs))
             return
         ctx = None
