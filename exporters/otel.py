@@ -745,6 +745,9 @@ class OtelExporter:
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
         self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
+        # This batch's span events, added once its events are all handled (a prealloc's SWA tail length comes in
+        # the batch's next Alloc): (record, name, attributes).
+        self._later: list = []
         # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
         # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
         # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
@@ -882,26 +885,22 @@ class OtelExporter:
         with self._lock:
             if self._closed:
                 return False
+            later = self._later  # empty between batches
             try:
-                later: list = []
                 handlers = self._handlers
+                # Each handler that reads a request's record applies the folded decodes first (_flush_decode); an
+                # event we do not read (Free, StepBoundary, ...) has no handler: no record is read or moved.
                 for e in batch:
-                    t = type(e)
-                    h = handlers.get(t)
-                    if h is None:
-                        continue  # an event we do not read (Free, StepBoundary, ...): no record is read or moved
-                    d = self._dec
-                    if d is not None and not (
-                        (t is ev.LedgerUpdate or t is ev.Alloc)
-                        and e.op in DECODE_OPS
-                        and (e.rids is d[0] or e.rids == d[0])
-                    ):
-                        self._flush_decode()
-                    h(e, later)
-                for r, name, attrs in later:
-                    self._add_event(r, name, attrs)
+                    h = handlers.get(type(e))
+                    if h is not None:
+                        h(e, later)
+                if later:
+                    for r, name, attrs in later:
+                        self._add_event(r, name, attrs)
+                    later.clear()
                 return True
             except Exception as exc:
+                later.clear()  # the refused batch's events are not added
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return False
@@ -957,6 +956,8 @@ class OtelExporter:
                 self._dec = [rids, e, 1]
                 self._dec_version = self._open_version
                 return
+        elif self._dec is not None:
+            self._flush_decode()
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         get = self._open.get
         if op in DECODE_OPS:
@@ -1015,6 +1016,8 @@ class OtelExporter:
         op = e.op
         if op in DECODE_OPS:
             return  # counted from this call's ledger update
+        if self._dec is not None:
+            self._flush_decode()
         if e.pool != "full":
             if op == "alloc_extend_swa_tail":  # the SWA side of a prealloc: its tail length
                 reqs = {id(self._open.get(rid)) for rid in rids}
@@ -1053,6 +1056,8 @@ class OtelExporter:
         column = _LEDGER_FIELDS.get(e.field)
         if column is None or e.rid is None:
             return
+        if self._dec is not None:
+            self._flush_decode()
         r = self._req(e.rid)
         setattr(r, column, e.new)
         if column != "evicted":
@@ -1061,6 +1066,8 @@ class OtelExporter:
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:
             return
+        if self._dec is not None:
+            self._flush_decode()
         attrs = {
             "kv.swa_evicted_seqlen.old": e.old,
             "kv.swa_evicted_seqlen.new": e.new,
@@ -1070,6 +1077,8 @@ class OtelExporter:
         later.append((self._req(e.rid), EV_SWA_EVICT, attrs))
 
     def _on_released(self, e: ev.RequestReleased, later: list) -> None:
+        if self._dec is not None:
+            self._flush_decode()
         r = self._open.pop(e.rid, None)
         if r is None:
             return  # released without any traced event: nothing was allocated for it
@@ -1092,6 +1101,8 @@ class OtelExporter:
             ended.popitem(last=False)
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
+        if self._dec is not None:
+            self._flush_decode()
         v = e.violation
         rid = v.rid
         message = v.message if self._hasher is None else self._hasher.message(v.message, rid)
