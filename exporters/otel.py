@@ -744,7 +744,8 @@ class OtelExporter:
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
-        self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
+        # rid -> (committed delta, allocated delta, committed before, record), this batch
+        self._pending: dict = {}
         # This batch's span events, added once its events are all handled (a prealloc's SWA tail length comes in
         # the batch's next Alloc): (record, name, attributes).
         self._later: list = []
@@ -895,8 +896,13 @@ class OtelExporter:
                     if h is not None:
                         h(e, later)
                 if later:
+                    limit = self._max_events - 1  # _add_event, inlined
                     for r, name, attrs in later:
-                        self._add_event(r, name, attrs)
+                        if r.n_events < limit:
+                            r.n_events += 1
+                            r.add_event(name, attrs)
+                        else:
+                            r.dropped += 1
                     later.clear()
                 return True
             except Exception as exc:
@@ -956,11 +962,21 @@ class OtelExporter:
                 self._dec = [rids, e, 1]
                 self._dec_version = self._open_version
                 return
-        elif self._dec is not None:
-            self._flush_decode()
+        else:
+            if self._dec is not None:
+                self._flush_decode()
+            if op not in _ALLOC_OPS:
+                # Frees: a request torn down before its release keeps its last allocated record on the span; only
+                # the current values move (a retracted request's next prefill is measured from them).
+                get = self._open.get
+                for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
+                    r = get(rid)
+                    if r is not None:
+                        r.cur_allocated, r.cur_committed = a, c
+                return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
-        get = self._open.get
         if op in DECODE_OPS:
+            get = self._open.get
             # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
             # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
@@ -976,20 +992,15 @@ class OtelExporter:
             self._dec = [e.rids, e, 0]
             self._dec_version = self._open_version
             return
-        if op not in _ALLOC_OPS:
-            # Frees: a request torn down before its release keeps its last allocated record on the span; only
-            # the current values move (a retracted request's next prefill is measured from them).
-            for rid, a, c in zip(e.rids, alloc, comm):
-                r = get(rid)
-                if r is not None:
-                    r.cur_allocated, r.cur_committed = a, c
-            return
         pending = self._pending
+        get = self._open.get
         for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
             if rid is None:
                 continue
-            r = self._req(rid)
-            pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed)
+            r = get(rid)
+            if r is None:
+                r = self._start(rid)
+            pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed, r)
             r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
 
@@ -1034,7 +1045,9 @@ class OtelExporter:
         for rid, delta in zip(rids, deltas):
             if rid is None:
                 continue
-            r = self._req(rid)
+            # The record this batch's ledger update found or opened (released by no event in between: both
+            # come from the one allocation call).
+            r = delta[3] if delta is not None else self._req(rid)
             if op == "alloc" and exact and delta[0] == 1 and delta[2] > 0:
                 r.decode_steps += 1
                 continue
