@@ -602,10 +602,10 @@ class _FastReq(_Req):
     dict and its ``ReadableSpan`` at the end (no span object lives in between). ``span`` is None. Not thread-safe:
     used under the exporter's lock; finished once (the exporter drops it from its open requests as it does)."""
 
-    __slots__ = ("_ctx", "events", "id_attr", "page_size", "span_id", "start_time", "status", "trace_id", "tracer")
+    __slots__ = ("ctx", "events", "id_attr", "page_size", "start_time", "status", "tracer")
 
     def __init__(self, tracer: _FastTracer, id_attr, page_size: int):
-        self.span = None
+        # ``span`` is left unset: nothing reads it (the methods below replace _Req's).
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
@@ -613,11 +613,13 @@ class _FastReq(_Req):
         self.tracer = tracer
         self.id_attr = id_attr
         self.page_size = page_size
-        self.trace_id = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
-        self.span_id = ids.generate_span_id()
+        tid = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
+        sid = ids.generate_span_id()
+        # What SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED) builds (see _FastSpan.get_span_context).
+        valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
         self.events: list = []
         self.status = _UNSET
-        self._ctx: SpanContext | None = None
         self.start_time = time.time_ns()
 
     def add_event(self, name: str, attrs: dict) -> None:
@@ -627,12 +629,7 @@ class _FastReq(_Req):
         self.status = status
 
     def context(self) -> SpanContext:
-        ctx = self._ctx
-        if ctx is None:  # as _FastSpan.get_span_context builds it
-            tid, sid = self.trace_id, self.span_id
-            valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
-            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
-        return ctx
+        return self.ctx
 
     def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
         # One dict, keys in the order the SDK span's would have: the start attributes, then what is set at the end.
@@ -668,7 +665,7 @@ class _FastReq(_Req):
         tracer.processor.admit(
             _make_readable(
                 SPAN_REQUEST,
-                self.context(),
+                self.ctx,
                 None,  # a root span
                 tracer.resource,
                 attrs,
