@@ -575,6 +575,14 @@ class _Req:
     def context(self) -> SpanContext:
         return self.span.get_span_context()
 
+    def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        """The request was released: its ``kv.release`` event (``attrs``; None: dropped), then ``finish``. Returns
+        the span's context."""
+        if attrs is not None:
+            self.span.add_event(EV_RELEASE, attrs)
+        self.finish(held, peak)
+        return self.span.get_span_context()
+
     def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
         """Set the final attributes (in the order below) and end the span."""
         span = self.span
@@ -629,6 +637,12 @@ class _FastReq(_Req):
         self.status = status
 
     def context(self) -> SpanContext:
+        return self.ctx
+
+    def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        if attrs is not None:
+            self.events.append(_make_event(EV_RELEASE, attrs, time.time_ns()))
+        self.finish(held, peak)
         return self.ctx
 
     def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
@@ -1101,12 +1115,12 @@ class OtelExporter:
         held, peak = e.pages_held, e.pages_peak
         if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
             r.n_events += 1
-            r.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
+            release = {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step}
         else:
             r.dropped += 1
-        r.finish(held, peak)
+            release = None
         ended = self._ended
-        ended[e.rid] = r.context()
+        ended[e.rid] = r.release(release, held, peak)
         if len(ended) > _RECENT_ENDED:  # one added at a time: one out
             ended.popitem(last=False)
 
