@@ -59,9 +59,11 @@ Threading and what is dropped when
   ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
   least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
   provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
-  ``CountingBatchSpanProcessor``. What is exported is the same as the SDK's spans would give (name, ids, parent,
-  attributes, events, status, kind, resource, scope, times from ``time.time_ns``); what is skipped is the SDK's
-  per-span machinery (sampler call, attribute copies and checks, the span's lock). Its ``Event``s and its
+  ``CountingBatchSpanProcessor``. A request's span is the request's own record until then (its start attributes
+  kept as values: the span's one attribute dict is built at the end, keys in the SDK span's order). What is
+  exported is the same as the SDK's spans would give (name, ids, parent, attributes, events, status, kind,
+  resource, scope, times from ``time.time_ns``); what is skipped is the SDK's per-span machinery (sampler call,
+  attribute copies and checks, the span's lock). Its ``Event``s and its
   ``ReadableSpan`` are the SDK's classes filled attribute by attribute, as their constructors fill them (checked
   once, at import, against the constructors, which are used instead should an SDK version do more there).
   Processors added to our ``tracer_provider`` afterwards see none of these spans (pass your own provider for
