@@ -59,9 +59,11 @@ Threading and what is dropped when
   ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
   least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
   provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
-  ``CountingBatchSpanProcessor``. What is exported is the same as the SDK's spans would give (name, ids, parent,
-  attributes, events, status, kind, resource, scope, times from ``time.time_ns``); what is skipped is the SDK's
-  per-span machinery (sampler call, attribute copies and checks, the span's lock). Its ``Event``s and its
+  ``CountingBatchSpanProcessor``. A request's span is the request's own record until then (its start attributes
+  kept as values: the span's one attribute dict is built at the end, keys in the SDK span's order). What is
+  exported is the same as the SDK's spans would give (name, ids, parent, attributes, events, status, kind,
+  resource, scope, times from ``time.time_ns``); what is skipped is the SDK's per-span machinery (sampler call,
+  attribute copies and checks, the span's lock). Its ``Event``s and its
   ``ReadableSpan`` are the SDK's classes filled attribute by attribute, as their constructors fill them (checked
   once, at import, against the constructors, which are used instead should an SDK version do more there).
   Processors added to our ``tracer_provider`` afterwards see none of these spans (pass your own provider for
@@ -542,7 +544,8 @@ class _FastSpan:
 
 
 class _Req:
-    """An open request span and what will be set on it at the end."""
+    """An open request span (an SDK span: a provider passed in, or a sampler or limits the fast path leaves to the
+    SDK) and what will be set on it at the end. ``_FastReq`` is the same record holding the span itself."""
 
     __slots__ = (
         "allocated",
@@ -564,6 +567,134 @@ class _Req:
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
+
+    def add_event(self, name: str, attrs: dict) -> None:
+        self.span.add_event(name, attrs)
+
+    def set_status(self, status: Status) -> None:
+        self.span.set_status(status)
+
+    def context(self) -> SpanContext:
+        return self.span.get_span_context()
+
+    def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        """The request was released: its ``kv.release`` event (``attrs``; None: dropped), then ``finish``. Returns
+        the span's context."""
+        if attrs is not None:
+            self.span.add_event(EV_RELEASE, attrs)
+        self.finish(held, peak)
+        return self.span.get_span_context()
+
+    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
+        """Set the final attributes (in the order below) and end the span."""
+        span = self.span
+        if at_shutdown:
+            span.set_attribute("kv.open_at_shutdown", True)
+        attrs = {
+            "kv.allocated_len": self.allocated,
+            "kv.committed_len": self.committed,
+            "kv.swa_evicted_seqlen": self.evicted,
+            "kv.violations": self.violations,
+            "kv.decode_steps": self.decode_steps,
+            "kv.events_dropped": self.dropped,
+        }
+        if peak is not None:
+            attrs["kv.pages.peak"] = peak
+        if held is not None:
+            attrs["kv.pages.held_at_release"] = held
+        span.set_attributes(attrs)
+        span.end()
+
+
+class _FastReq(_Req):
+    """A request span of the fast path (see ``_FastSpan``, whose results it gives) and its record in one object:
+    the start attributes are kept as values, the events in a list, and ``finish`` builds the span's one attribute
+    dict and its ``ReadableSpan`` at the end (no span object lives in between). ``span`` is None. Not thread-safe:
+    used under the exporter's lock; finished once (the exporter drops it from its open requests as it does)."""
+
+    __slots__ = ("ctx", "events", "id_attr", "page_size", "start_time", "status", "tracer")
+
+    def __init__(self, tracer: _FastTracer, id_attr, page_size: int):
+        # ``span`` is left unset: nothing reads it (the methods below replace _Req's).
+        self.allocated = self.committed = self.evicted = 0
+        self.cur_allocated = self.cur_committed = 0
+        self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        ids = tracer.ids
+        self.tracer = tracer
+        self.id_attr = id_attr
+        self.page_size = page_size
+        tid = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
+        sid = ids.generate_span_id()
+        # What SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED) builds (see _FastSpan.get_span_context).
+        valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
+        self.events: list = []
+        self.status = _UNSET
+        self.start_time = time.time_ns()
+
+    def add_event(self, name: str, attrs: dict) -> None:
+        self.events.append(_make_event(name, attrs, time.time_ns()))
+
+    def set_status(self, status: Status) -> None:
+        self.status = status
+
+    def context(self) -> SpanContext:
+        return self.ctx
+
+    def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        if attrs is not None:
+            self.events.append(_make_event(EV_RELEASE, attrs, time.time_ns()))
+        self.finish(held, peak)
+        return self.ctx
+
+    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
+        # One dict, keys in the order the SDK span's would have: the start attributes, then what is set at the end.
+        if held is not None and peak is not None and not at_shutdown:  # a release
+            attrs = {
+                "kv.request.id": self.id_attr,
+                "kv.page_size": self.page_size,
+                "kv.allocated_len": self.allocated,
+                "kv.committed_len": self.committed,
+                "kv.swa_evicted_seqlen": self.evicted,
+                "kv.violations": self.violations,
+                "kv.decode_steps": self.decode_steps,
+                "kv.events_dropped": self.dropped,
+                "kv.pages.peak": peak,
+                "kv.pages.held_at_release": held,
+            }
+        else:
+            attrs = {"kv.request.id": self.id_attr, "kv.page_size": self.page_size}
+            if at_shutdown:
+                attrs["kv.open_at_shutdown"] = True
+            attrs["kv.allocated_len"] = self.allocated
+            attrs["kv.committed_len"] = self.committed
+            attrs["kv.swa_evicted_seqlen"] = self.evicted
+            attrs["kv.violations"] = self.violations
+            attrs["kv.decode_steps"] = self.decode_steps
+            attrs["kv.events_dropped"] = self.dropped
+            if peak is not None:
+                attrs["kv.pages.peak"] = peak
+            if held is not None:
+                attrs["kv.pages.held_at_release"] = held
+        tracer = self.tracer
+        # Positional, in ReadableSpan.__init__'s order (see _FastSpan.end).
+        tracer.processor.admit(
+            _make_readable(
+                SPAN_REQUEST,
+                self.ctx,
+                None,  # a root span
+                tracer.resource,
+                attrs,
+                self.events,
+                (),
+                SpanKind.INTERNAL,
+                None,
+                self.status,
+                self.start_time,
+                time.time_ns(),
+                tracer.scope,
+            )
+        )
 
 
 class OtelExporter:
@@ -626,7 +757,11 @@ class OtelExporter:
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
-        self._pending: dict = {}  # rid -> (committed delta, allocated delta, committed before), this batch
+        # rid -> (committed delta, allocated delta, committed before, record), this batch
+        self._pending: dict = {}
+        # This batch's span events, added once its events are all handled (a prealloc's SWA tail length comes in
+        # the batch's next Alloc): (record, name, attributes).
+        self._later: list = []
         # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
         # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
         # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
@@ -714,11 +849,11 @@ class OtelExporter:
         with self._lock:
             r = self._open.get(rid)
             if r is not None:
-                return _trace_hex(r.span.get_span_context())
+                return _trace_hex(r.context())
             if self._closed:
                 return None
             if rid in self._ledger:
-                return _trace_hex(self._start(rid).span.get_span_context())
+                return _trace_hex(self._start(rid).context())
             return _trace_hex(self._ended.get(rid))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -748,8 +883,7 @@ class OtelExporter:
             self._open_version += 1
             still_open, self._open = self._open, {}
             for r in still_open.values():
-                r.span.set_attribute("kv.open_at_shutdown", True)
-                self._end(r)
+                r.finish(at_shutdown=True)
         timeout_s = timeout_millis / 1000
         if not self._owns_provider:
             return self.force_flush(timeout_millis)
@@ -765,26 +899,27 @@ class OtelExporter:
         with self._lock:
             if self._closed:
                 return False
+            later = self._later  # empty between batches
             try:
-                later: list = []
                 handlers = self._handlers
+                # Each handler that reads a request's record applies the folded decodes first (_flush_decode); an
+                # event we do not read (Free, StepBoundary, ...) has no handler: no record is read or moved.
                 for e in batch:
-                    t = type(e)
-                    h = handlers.get(t)
-                    if h is None:
-                        continue  # an event we do not read (Free, StepBoundary, ...): no record is read or moved
-                    d = self._dec
-                    if d is not None and not (
-                        (t is ev.LedgerUpdate or t is ev.Alloc)
-                        and e.op in DECODE_OPS
-                        and (e.rids is d[0] or e.rids == d[0])
-                    ):
-                        self._flush_decode()
-                    h(e, later)
-                for r, name, attrs in later:
-                    self._add_event(r, name, attrs)
+                    h = handlers.get(type(e))
+                    if h is not None:
+                        h(e, later)
+                if later:
+                    limit = self._max_events - 1  # _add_event, inlined
+                    for r, name, attrs in later:
+                        if r.n_events < limit:
+                            r.n_events += 1
+                            r.add_event(name, attrs)
+                        else:
+                            r.dropped += 1
+                    later.clear()
                 return True
             except Exception as exc:
+                later.clear()  # the refused batch's events are not added
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return False
@@ -794,17 +929,17 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        attrs = {"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps}
         if self._fast is not None:
-            span = self._fast.start_span(SPAN_REQUEST, attrs)
+            r = _FastReq(self._fast, self._id_attr(rid), self._ps)
         else:
-            span = self._tracer.start_span(
-                SPAN_REQUEST,
-                context=Context(),  # a root span: the engine's current context is no parent of a request's KV
-                kind=SpanKind.INTERNAL,
-                attributes=attrs,
+            r = _Req(
+                self._tracer.start_span(
+                    SPAN_REQUEST,
+                    context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+                    kind=SpanKind.INTERNAL,
+                    attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
+                )
             )
-        r = _Req(span)
         self._open[rid] = r
         self._open_version += 1
         self._ended.pop(rid, None)
@@ -818,41 +953,9 @@ class OtelExporter:
         limit = self._max_events if reserved else self._max_events - 1
         if r.n_events < limit:
             r.n_events += 1
-            r.span.add_event(name, attrs)
+            r.add_event(name, attrs)
         else:
             r.dropped += 1
-
-    def _end(self, r: _Req, held: int | None = None, peak: int | None = None) -> None:
-        span = r.span
-        if held is not None and peak is not None:  # a release: one dict, built in the order below
-            span.set_attributes(
-                {
-                    "kv.allocated_len": r.allocated,
-                    "kv.committed_len": r.committed,
-                    "kv.swa_evicted_seqlen": r.evicted,
-                    "kv.violations": r.violations,
-                    "kv.decode_steps": r.decode_steps,
-                    "kv.events_dropped": r.dropped,
-                    "kv.pages.peak": peak,
-                    "kv.pages.held_at_release": held,
-                }
-            )
-            span.end()
-            return
-        attrs = {
-            "kv.allocated_len": r.allocated,
-            "kv.committed_len": r.committed,
-            "kv.swa_evicted_seqlen": r.evicted,
-            "kv.violations": r.violations,
-            "kv.decode_steps": r.decode_steps,
-            "kv.events_dropped": r.dropped,
-        }
-        if peak is not None:
-            attrs["kv.pages.peak"] = peak
-        if held is not None:
-            attrs["kv.pages.held_at_release"] = held
-        span.set_attributes(attrs)
-        span.end()
 
     # -- event handlers ---------------------------------------------------------------------------------------
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
@@ -872,9 +975,21 @@ class OtelExporter:
                 self._dec = [rids, e, 1]
                 self._dec_version = self._open_version
                 return
+        else:
+            if self._dec is not None:
+                self._flush_decode()
+            if op not in _ALLOC_OPS:
+                # Frees: a request torn down before its release keeps its last allocated record on the span; only
+                # the current values move (a retracted request's next prefill is measured from them).
+                get = self._open.get
+                for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
+                    r = get(rid)
+                    if r is not None:
+                        r.cur_allocated, r.cur_committed = a, c
+                return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
-        get = self._open.get
         if op in DECODE_OPS:
+            get = self._open.get
             # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
             # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
@@ -890,20 +1005,15 @@ class OtelExporter:
             self._dec = [e.rids, e, 0]
             self._dec_version = self._open_version
             return
-        if op not in _ALLOC_OPS:
-            # Frees: a request torn down before its release keeps its last allocated record on the span; only
-            # the current values move (a retracted request's next prefill is measured from them).
-            for rid, a, c in zip(e.rids, alloc, comm):
-                r = get(rid)
-                if r is not None:
-                    r.cur_allocated, r.cur_committed = a, c
-            return
         pending = self._pending
+        get = self._open.get
         for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
             if rid is None:
                 continue
-            r = self._req(rid)
-            pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed)
+            r = get(rid)
+            if r is None:
+                r = self._start(rid)
+            pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed, r)
             r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
 
@@ -930,6 +1040,8 @@ class OtelExporter:
         op = e.op
         if op in DECODE_OPS:
             return  # counted from this call's ledger update
+        if self._dec is not None:
+            self._flush_decode()
         if e.pool != "full":
             if op == "alloc_extend_swa_tail":  # the SWA side of a prealloc: its tail length
                 reqs = {id(self._open.get(rid)) for rid in rids}
@@ -946,7 +1058,9 @@ class OtelExporter:
         for rid, delta in zip(rids, deltas):
             if rid is None:
                 continue
-            r = self._req(rid)
+            # The record this batch's ledger update found or opened (released by no event in between: both
+            # come from the one allocation call).
+            r = delta[3] if delta is not None else self._req(rid)
             if op == "alloc" and exact and delta[0] == 1 and delta[2] > 0:
                 r.decode_steps += 1
                 continue
@@ -968,6 +1082,8 @@ class OtelExporter:
         column = _LEDGER_FIELDS.get(e.field)
         if column is None or e.rid is None:
             return
+        if self._dec is not None:
+            self._flush_decode()
         r = self._req(e.rid)
         setattr(r, column, e.new)
         if column != "evicted":
@@ -976,6 +1092,8 @@ class OtelExporter:
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:
             return
+        if self._dec is not None:
+            self._flush_decode()
         attrs = {
             "kv.swa_evicted_seqlen.old": e.old,
             "kv.swa_evicted_seqlen.new": e.new,
@@ -985,6 +1103,8 @@ class OtelExporter:
         later.append((self._req(e.rid), EV_SWA_EVICT, attrs))
 
     def _on_released(self, e: ev.RequestReleased, later: list) -> None:
+        if self._dec is not None:
+            self._flush_decode()
         r = self._open.pop(e.rid, None)
         if r is None:
             return  # released without any traced event: nothing was allocated for it
@@ -997,16 +1117,18 @@ class OtelExporter:
         held, peak = e.pages_held, e.pages_peak
         if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
             r.n_events += 1
-            r.span.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
+            release = {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step}
         else:
             r.dropped += 1
-        self._end(r, held=held, peak=peak)
+            release = None
         ended = self._ended
-        ended[e.rid] = r.span.get_span_context()
+        ended[e.rid] = r.release(release, held, peak)
         if len(ended) > _RECENT_ENDED:  # one added at a time: one out
             ended.popitem(last=False)
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
+        if self._dec is not None:
+            self._flush_decode()
         v = e.violation
         rid = v.rid
         message = v.message if self._hasher is None else self._hasher.message(v.message, rid)
@@ -1025,7 +1147,7 @@ class OtelExporter:
         if r is not None:
             r.violations += 1
             if r.violations == 1:
-                r.span.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
+                r.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
             later.append((r, EV_VIOLATION, attrs))
             return
         ctx = None

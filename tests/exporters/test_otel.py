@@ -1208,3 +1208,47 @@ def test_fast_path_builds_the_sdks_event_and_readable_span_records():
 
     assert otel._plain(Computes, fill, (3,)) is Computes
     assert otel._plain(Slotted, lambda x: Slotted(x), (3,)) is Slotted
+
+
+def test_fast_request_record_gives_the_sdk_spans_attributes_in_their_order(memory, otel_env):
+    """A fast-path request record builds its span's attributes in one dict at the end: the same keys, values and
+    key order as the SDK span's (start attributes, then those set at the end), for a released request and for one
+    ended open at shutdown; the same events and status."""
+
+    def run(exp, w):
+        a, b = Req("a"), Req("b")
+        extend(w, [a, b], [5, 7])
+        decode(w, [a, b])
+        decode(w, [a, b])
+        w.free(t(a.row))
+        w.release_request("a")
+        exp.shutdown(timeout_millis=5000)  # b is still open: ended with kv.open_at_shutdown
+
+    def shape(spans):
+        return sorted(
+            (
+                s.attributes["kv.request.id"],
+                list(s.attributes.items()),
+                [(e.name, list(e.attributes.items())) for e in s.events],
+                s.status.status_code,
+                s.parent,
+                s.context.is_valid,
+            )
+            for s in spans
+            if s.name == "kv.request"
+        )
+
+    provider, mem = memory
+    w1 = paged()
+    exp1 = OtelExporter(w1, tracer_provider=provider)
+    assert exp1._fast is None
+    run(exp1, w1)
+    fast_mem = InMemorySpanExporter()
+    w2 = paged()
+    exp2 = OtelExporter(w2, span_exporter=fast_mem)
+    assert exp2._fast is not None
+    run(exp2, w2)
+    sdk, fast = shape(mem.get_finished_spans()), shape(fast_mem.get_finished_spans())
+    assert fast == sdk and len(fast) == 2
+    assert [k for k, _ in fast[1][1]][:3] == ["kv.request.id", "kv.page_size", "kv.open_at_shutdown"]
+    assert dict(fast[0][1])["kv.decode_steps"] == 2 and dict(fast[0][1])["kv.pages.held_at_release"] == 0
