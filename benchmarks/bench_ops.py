@@ -245,9 +245,9 @@ def rows(
                         target = "<= 1.25"
                     name = f"{op} bs={bs} ps={ps} {mode if mode == 'off' else verify} wrapped/bare"
                     out.append((name, rs, target))
-            if op == "alloc_decode" and 16 in page_sizes and 256 in batches:
-                # The target row again, on a batch whose requests open their pages at different decodes.
-                rs = measure("alloc_decode_mixed", 16, 256, "record", "immediate", repeats=repeats, quick=quick,
-                             clock=clock)
-                out.append(("alloc_decode bs=256 ps=16 immediate, mixed lengths wrapped/bare", rs, "<= 1.25"))
+        if op == "alloc_decode" and 16 in page_sizes and 256 in batches:
+            # The target row again, on a batch whose requests open their pages at different decodes.
+            rs = measure("alloc_decode_mixed", 16, 256, "record", "immediate", repeats=repeats, quick=quick,
+                         clock=clock)
+            out.append(("alloc_decode bs=256 ps=16 immediate, mixed lengths wrapped/bare", rs, "<= 1.25"))
     return out
