@@ -113,18 +113,52 @@ _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inn
 class _CallState:
     """What the per-call paths read and write, on a plain slotted object: the wrapper's own attributes are slow to
     read (its class defines ``__getattr__`` to forward, which keeps CPython 3.11 from specialising attribute
-    loads on it: about 8x a slot's cost) and slower to assign (the forwarding ``__setattr__``). Besides the
-    per-call state: what the event paths build (``want_*``, refreshed by ``_sync_deltas`` whenever the sinks
-    change), and the clock, thread-local binding, bus and raise list, the same objects as the wrapper's
-    ``_w_clock``, ``_w_tls``, ``bus`` and ``_w_to_raise`` (set once, at construction)."""
+    loads on it: about 4x a slot's cost, per read and per method lookup) and slower to assign (the forwarding
+    ``__setattr__``). The hot paths fetch this object once per call and read everything else from it.
+
+    Three kinds of fields:
+    - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
+      refreshed by ``_sync_deltas`` whenever the sinks change);
+    - the per-wrapper constants, set once at construction and never reassigned: the same objects as the
+      wrapper's ``_w_inner``, ``_w_lock``, ``_w_ps``, ``_w_shift``, ``_w_clock``, ``_w_tls``, ``bus``,
+      ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
+      paths and readers outside);
+    - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
+      ``full``, ``swa``, ``one_pool``: replaced by ``resize``) and the ledger: held here only, the single source
+      of truth; the wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa``, ``_w_one_pool`` and ``ledger``
+      are properties that read and write these slots."""
 
     __slots__ = (
+        "atomic_free",
         "bus",
+        "capture_before",
         "clock",
+        "consts",
+        "deferred",
+        "device",
         "events",
+        "fast_alloc",
+        "fast_decode",
+        "fast_free",
+        "full",
+        "host",
+        "inner",
+        "inner_checks",
+        "ledger",
+        "lock",
+        "need_sort",
+        "one_pool",
         "op",
+        "pending",
+        "pools",
+        "ps",
+        "raising",
+        "run",
         "seq",
+        "shift",
         "step",
+        "steps",
+        "swa",
         "time_decode",
         "tls",
         "to_raise",
@@ -151,6 +185,17 @@ class _CallState:
         self.tls = tls
         self.bus = bus
         self.to_raise = to_raise
+        self.run = None  # the decode fast path's _DecodeRun (one pool, immediate verification)
+        self.ledger = self.pools = self.full = self.swa = self.one_pool = None  # set by the wrapper's __init__
+
+
+def _state_property(field: str, doc: str) -> property:
+    """A wrapper attribute whose one copy lives in the ``_CallState`` slot ``field`` (see ``_CallState``)."""
+    return property(
+        lambda self: getattr(object.__getattribute__(self, "_w_st"), field),
+        lambda self, value: setattr(object.__getattribute__(self, "_w_st"), field, value),
+        doc=doc,
+    )
 
 
 class _DecodeRun:
@@ -382,23 +427,23 @@ class InstrumentedAllocator:
         s(self, "_w_host", device.type == "cpu")
         s(self, "_w_window", sliding_window)
         s(self, "_w_pools", {n: _make_pool(n, a, ledger, need_sort) for n, a in zip(names, allocs)})
-        s(self, "_w_full", self._w_pools["full"])
-        s(self, "_w_swa", self._w_pools.get("swa"))
-        s(self, "_w_mapping_owner", inner if self._w_swa is not None else None)
+        s(self, "_w_full", self._w_st.pools["full"])
+        s(self, "_w_swa", self._w_st.pools.get("swa"))
+        s(self, "_w_mapping_owner", inner if self._w_st.swa is not None else None)
         self._set_one_pool()
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
         # The allocation paths capture the pools' free counts before the call only where a refusal or a merge can
         # follow a change (see _entries_before).
-        s(self, "_w_capture_before", need_sort or len(self._w_pools) > 1)
+        s(self, "_w_capture_before", need_sort or len(self._w_st.pools) > 1)
         # Immediate decode checks with a power-of-two page size > 1 take the fast path first (one pool, or SWA's
         # two linked by the mapping).
         s(self, "_w_fast_decode", not deferred and ps > 1 and self._w_shift is not None)
         s(self, "_w_consts", {})
         s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
         s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
-        s(self, "_w_fast_alloc", not deferred and self._w_swa is None and ps == 1)
+        s(self, "_w_fast_alloc", not deferred and self._w_st.swa is None and ps == 1)
         # Immediate frees with a power-of-two page size > 1 on paged pools take the fast path first.
         s(
             self,
@@ -406,6 +451,14 @@ class InstrumentedAllocator:
             not deferred and ps > 1 and self._w_shift is not None and all(p.dedup_free for p in self._w_pools.values()),
         )
         s(self, "_w_off_batch", _OffBatch(self))
+        # The constants again on the call state, the same objects (see _CallState): what the hot paths read.
+        st = self._w_st
+        st.inner, st.lock, st.ps, st.shift = inner, self._w_lock, ps, self._w_shift
+        st.pending, st.consts, st.steps, st.device = self._w_pending, self._w_consts, self._w_steps, device
+        st.deferred, st.host, st.raising, st.need_sort = deferred, self._w_host, self._w_raise, need_sort
+        st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
+        st.capture_before = self._w_capture_before
+        st.fast_decode, st.fast_alloc, st.fast_free = self._w_fast_decode, self._w_fast_alloc, self._w_fast_free
         self._sync_deltas()
         self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too
         if mode == "off":
@@ -418,6 +471,14 @@ class InstrumentedAllocator:
             # The step boundary does nothing when off; the engine still calls it every step: a C-level no-op
             # (an empty dict's clear(): no arguments, returns None) instead of a Python method call.
             s(self, "step", _NOOP)
+
+    # Reassigned per-wrapper values and the ledger: one copy, on the call state (see _CallState).
+    ledger = _state_property("ledger", "The ``KvLedger`` of the wrapped requests.")
+    _w_run = _state_property("run", "The decode fast path's ``_DecodeRun`` (None: no run).")
+    _w_pools = _state_property("pools", "Pool name -> ``_Pool`` (replaced by ``resize``).")
+    _w_full = _state_property("full", "The full pool's ``_Pool``.")
+    _w_swa = _state_property("swa", "The SWA pool's ``_Pool``, or None.")
+    _w_one_pool = _state_property("one_pool", "(allocator, page size, shadow) of a single pool, else None.")
 
     @property
     def _w_bound(self):
@@ -452,7 +513,7 @@ class InstrumentedAllocator:
 
     @property
     def pools(self) -> tuple[str, ...]:
-        return tuple(self._w_pools)
+        return tuple(self._w_st.pools)
 
     @property
     def sliding_window(self) -> int | None:
@@ -475,17 +536,17 @@ class InstrumentedAllocator:
     def _set_one_pool(self) -> None:
         # What step() reads for the count check of a single pool, in one attribute: (allocator, page size,
         # shadow); None when there are two pools (the general boundary checks both).
-        pools = self._w_pools
+        pools = self._w_st.pools
         one = None
         if len(pools) == 1:
-            p = self._w_full
+            p = self._w_st.full
             one = (p.allocator, p.page_size, p.shadow)
         object.__setattr__(self, "_w_one_pool", one)
 
     def _sync_deltas(self) -> None:
         # Page deltas and ledger updates are built only while some sink reads them.
         want = self.bus.wants(ev.PageUpdate)
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             if want and p.shadow.deltas is None:
                 p.shadow.deltas = []
             elif not want:
@@ -540,7 +601,7 @@ class InstrumentedAllocator:
         with self._w_lock:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
-            slots = self.ledger.slots_of(rids)
+            slots = self._w_st.ledger.slots_of(rids)
             # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) share them instead
             # of a copy each, which is safe because slots_of returns a fresh array that owns its memory.
             slots.flags.writeable = False
@@ -554,7 +615,7 @@ class InstrumentedAllocator:
             return
         with self._w_lock:
             try:
-                known = rid in self.ledger
+                known = rid in self._w_st.ledger
             except TypeError:
                 known = None
             if known is None:
@@ -582,8 +643,8 @@ class InstrumentedAllocator:
             if pending:
                 self._drain(wait=False)
             if not pending:
-                one = self._w_one_pool
-                if one is not None and not self.ledger.dirty:
+                one = self._w_st.one_pool
+                if one is not None and not self._w_st.ledger.dirty:
                     # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
                     allocator, ps, shadow = one
                     if allocator.available_size() // ps != shadow.expected_entries:
@@ -601,7 +662,7 @@ class InstrumentedAllocator:
                             seq,
                             st.clock(),
                             st.step,
-                            {n: p.shadow.expected_entries for n, p in self._w_pools.items()},
+                            {n: p.shadow.expected_entries for n, p in self._w_st.pools.items()},
                         )
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
@@ -629,12 +690,12 @@ class InstrumentedAllocator:
             self._w_st.op = "sweep"
             self._drain(wait=True)
             found = []
-            for pool in self._w_pools.values():
+            for pool in self._w_st.pools.values():
                 found += [(pool.name, b) for b in pool.shadow.check_census(pool.census())]
             for pool_name, (inv, msg, slot) in found:
                 self._violate(inv, msg, slot=slot, pool=pool_name, op="sweep")
             self._sweep_leaks()
-            if self._w_swa is not None:
+            if self._w_st.swa is not None:
                 self._sweep_mapping()
             self._boundary_checks("sweep", every_request=True)
             new = sum(self.violation_counts.values()) - before
@@ -650,7 +711,7 @@ class InstrumentedAllocator:
         with self._w_lock:
             if wait and self._w_deferred and not self._w_off:
                 self._drain(wait=True)
-            led = self.ledger
+            led = self._w_st.ledger
             slots = led.live_slots()
             rids = tuple(led.rid_of(int(s)) for s in slots)
             lsnap = LedgerSnapshot(
@@ -662,7 +723,7 @@ class InstrumentedAllocator:
                 sliding_window=self._w_window,
             )
             owner_slots = {}
-            for p in self._w_pools.values():
+            for p in self._w_st.pools.values():
                 used = np.unique(p.shadow.owner[p.shadow.owner >= 0])
                 owner_slots.update({int(s): led.rid_of(int(s)) for s in used})
             return {
@@ -675,13 +736,13 @@ class InstrumentedAllocator:
                     ledger=lsnap,
                     slot_rids=owner_slots,
                 )
-                for n, p in self._w_pools.items()
+                for n, p in self._w_st.pools.items()
             }
 
     # -- ledger observer (called by KvLedger on checked writes) -----------------------------------------------
     def ledger_rejected(self, slot: int, rid, violations, exc=None) -> None:
         with self._w_lock:
-            self.ledger.tainted.add(slot)
+            self._w_st.ledger.tainted.add(slot)
             for inv, msg in violations:
                 self._violate(inv, msg, slot=slot, op="ledger", pool=None)
             if exc is not None:
@@ -742,14 +803,14 @@ class InstrumentedAllocator:
                     pool="full",
                 )
             own, grow = self._alloc_owners(n if got == n else got)
-            full = self._w_full
+            full = self._w_st.full
             if ps == 1:
 
                 def verify(o, s=None):
                     bad = full.shadow.on_alloc(o, own, None, got, op)
                     self._report(bad, "full", op)
                     if s is not None:
-                        self._report(self._w_swa.shadow.on_alloc(s, own, None, got, op), "swa", op)
+                        self._report(self._w_st.swa.shadow.on_alloc(s, own, None, got, op), "swa", op)
 
             else:
 
@@ -765,12 +826,12 @@ class InstrumentedAllocator:
                     self._report(full.shadow.on_alloc(starts // ps, own, None, got // ps, op), "full", op)
 
             self._host_alloc_ledger(op, grow)
-            if self._w_swa is not None:
+            if self._w_st.swa is not None:
                 self._slot_tier(verify, out, self._swa_peer(out))
             else:
                 self._slot_tier(verify, out)
             self._emit_alloc(op, got, got // ps, dt)
-            if self._w_swa is not None:
+            if self._w_st.swa is not None:
                 self._emit_alloc(op, got, got, 0.0, pool="swa")
             self._finish()
             return out
@@ -889,9 +950,9 @@ class InstrumentedAllocator:
                 and not self._w_deferred
                 and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
             )
-            full, swa_pool = self._w_full, self._w_swa
+            full, swa_pool = self._w_st.full, self._w_st.swa
             if slots is not None:
-                led = self.ledger
+                led = self._w_st.ledger
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
@@ -909,7 +970,7 @@ class InstrumentedAllocator:
                     swa_own = own if slots is None else own[-tail:]
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
-                    self.ledger.owned["swa"][slots] += swa_grow
+                    self._w_st.ledger.owned["swa"][slots] += swa_grow
 
             def check(o, pos, own, pool, new, n, name):
                 if runs and self._alloc_runs(o, pos, own, pool.shadow, n):
@@ -941,50 +1002,50 @@ class InstrumentedAllocator:
             return out
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
-        inner = self._w_inner
-        with self._w_lock:
+        st = self._w_st  # every read below from it (see _CallState): the wrapper's own attributes are slow
+        with st.lock:
             op = "alloc_decode"
-            self._w_st.op = op
-            if self._w_inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1:
+            st.op = op
+            if st.inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
                 bs = self._validate(
-                    op, check_batch, self._w_device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
+                    op, check_batch, st.device, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, last_loc=last_loc
                 )
-            bound = getattr(self._w_tls, "bound", None)
+            bound = getattr(st.tls, "bound", None)
             if bound is None:
                 slots = None
             elif len(bound[0]) == bs:
                 slots = bound[1]
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
-            before = self._entries_before() if self._w_capture_before else None
-            timed = self._w_st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
-            t0 = self._w_clock() if timed else 0.0
+            before = self._entries_before() if st.capture_before else None
+            timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
+            t0 = st.clock() if timed else 0.0
             try:
-                out = inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+                out = st.inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             except ArgumentError as exc:
                 self._invalid(op, exc)
-            dt = self._w_clock() - t0 if timed else 0.0
-            allocs = self._w_st.want_decode_alloc  # this call's Alloc events are built
+            dt = st.clock() - t0 if timed else 0.0
+            allocs = st.want_decode_alloc  # this call's Alloc events are built
             if before is not None:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, bs, before, dt)
             n_new = None
-            if self._w_fast_decode and out.shape[0] == bs:
+            if st.fast_decode and out.shape[0] == bs:
                 o = out.numpy()
                 seq = seq_lens_cpu.numpy()
-                run = self._w_run
+                run = st.run
                 if (
                     run is not None
                     and o.tobytes() == run.o_rows[run.end - run.row : run.end]
                     and seq.tobytes() == run.seq_rows[run.end - run.row : run.end]
                     and o.dtype is _I64
                     and seq.dtype is _I64
-                    and run.shadow is self._w_full.shadow
+                    and run.shadow is st.full.shadow
                     and run.version == run.shadow.version
-                    and run.ledger_version == self.ledger.version
+                    and run.ledger_version == st.ledger.version
                     and run.slots_b == (None if slots is None else slots.tobytes())
                 ):
                     # Inline (a method call costs a tenth of what is left here): every slot is the last verified
@@ -992,20 +1053,21 @@ class InstrumentedAllocator:
                     # the full check applies to such a call.
                     run.end += run.row  # past the rows' end: an empty slice, which no call's bytes match
                     if slots is not None:
-                        self.ledger.committed[slots] = seq
+                        st.ledger.committed[slots] = seq
                     if run.shadow.deltas is not None:
                         run.shadow.note(run.pages, run.own, private=slots is not None)
                     n_new = 0
                 else:
-                    n_new = self._decode_fast(o, seq, slots, bound, bs)
+                    n_new = self._decode_fast(st, o, seq, slots, bound, bs)
             if n_new is not None:
-                if slots is not None and self._w_st.want_ledger:
+                if slots is not None and st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                 if allocs:
-                    self._emit_alloc(op, bs, int(n_new), dt)
-                    if self._w_swa is not None:
-                        self._emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
-                if self._w_st.events or self._w_to_raise:
+                    emit_alloc = self._emit_alloc
+                    emit_alloc(op, bs, int(n_new), dt)
+                    if st.swa is not None:
+                        emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
+                if st.events or st.to_raise:
                     self._finish()
                 return out
             return self._decode_checked(op, out, seq_lens_cpu, bs, slots, allocs, dt)
@@ -1032,7 +1094,7 @@ class InstrumentedAllocator:
         own = -1
         if slots is not None:
             own = slots
-            led = self.ledger
+            led = self._w_st.ledger
             led.committed[slots] = seq
             if n_new:
                 openers = slots[new_mask]
@@ -1041,7 +1103,7 @@ class InstrumentedAllocator:
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
             if self._w_st.want_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
-        full, swa_pool = self._w_full, self._w_swa
+        full, swa_pool = self._w_st.full, self._w_st.swa
         pos = seq - 1
 
         def check(o, pool, name):
@@ -1126,12 +1188,12 @@ class InstrumentedAllocator:
             shares, own = 1, slots  # a decode: one slot each
         else:
             return False
-        shadow = self._w_full.shadow
+        shadow = self._w_st.full.shadow
         # A slot outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
         prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
             return False  # handed out twice, reserved, or outside the pool: the general path reports it
-        led = self.ledger
+        led = self._w_st.ledger
         for arr in led.owned.values():
             arr[slots] += shares
         led.allocated[slots] += shares
@@ -1146,10 +1208,11 @@ class InstrumentedAllocator:
 
     def _decode_consts(self, bs: int) -> tuple:
         """Per-batch-size operands of the decode fast path (arrays: numpy's array-scalar ops cost more)."""
-        c = self._w_consts.get(bs)
+        consts = self._w_consts
+        c = consts.get(bs)
         if c is None:
-            if len(self._w_consts) > 64:
-                self._w_consts.clear()
+            if len(consts) > 64:
+                consts.clear()
             ps = self._w_ps
             c = (
                 np.full(bs, ps - 1, np.int64),  # offset in a page
@@ -1160,10 +1223,10 @@ class InstrumentedAllocator:
                 np.zeros(bs, np.int64),
                 np.full(bs, FREE, np.int32),
             )
-            self._w_consts[bs] = c
+            consts[bs] = c
         return c
 
-    def _decode_fast(self, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
+    def _decode_fast(self, st: _CallState, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
         """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
         passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
         position's offset in its page; a request that opens a page got one that was free, every other continues in
@@ -1171,24 +1234,24 @@ class InstrumentedAllocator:
         the free counts) and returns the number of pages opened.
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
-        of a numpy reduction at this size."""
+        of a numpy reduction at this size. ``st``: the wrapper's ``_CallState`` (every read from it)."""
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
-        mask, smask, one, shift, unowned, zero, free = self._w_consts.get(bs) or self._decode_consts(bs)
+        mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
         at = seq - one  # the position each new slot holds
         at &= mask  # its offset in its page; 0: the request opens a page
         if (o & smask).tobytes() != at.tobytes():
             return None  # slot_page_alignment, or a negative slot
         pages = o >> shift
-        shadow = self._w_full.shadow
+        shadow = st.full.shadow
         try:
             prev = shadow.owner[pages]
         except IndexError:
             return None  # a page past the end
-        swa = self._w_swa
+        swa = st.swa
         if swa is not None:
             # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
-            peers = self._w_inner.full_to_swa_index_mapping.numpy()[o]
+            peers = st.inner.full_to_swa_index_mapping.numpy()[o]
             if (peers & smask).tobytes() != at.tobytes():
                 return None
             swa_pages = peers >> shift
@@ -1210,7 +1273,7 @@ class InstrumentedAllocator:
             if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
-                self.ledger.committed[slots] = seq
+                st.ledger.committed[slots] = seq
             # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or
             # the shared unattributed constant (not private: copied).
             # The pages already read as own (just compared): only the delta to record, no write.
@@ -1239,7 +1302,7 @@ class InstrumentedAllocator:
             swa_shadow._set(swa_pages, own, private=private)
             swa_shadow.expected_entries -= n_new
         if slots is not None:
-            led = self.ledger
+            led = st.ledger
             led.committed[slots] = seq
             openers = slots if opens is None else slots[opens]
             for arr in led.owned.values():
@@ -1252,20 +1315,16 @@ class InstrumentedAllocator:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
             # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
             # nothing on other calls. pages: computed here, never written again (shared with the page delta).
-            steps = self._w_steps
-            object.__setattr__(  # not through the forwarding __setattr__ (a Python call)
-                self,
-                "_w_run",
-                _DecodeRun(
-                    shadow,
-                    self.ledger.version,
-                    None if slots is None else slots.tobytes(),
-                    own,
-                    pages,
-                    (o + steps).tobytes(),
-                    (seq + steps).tobytes(),
-                    o.nbytes,
-                ),
+            steps = st.steps
+            st.run = _DecodeRun(
+                shadow,
+                st.ledger.version,
+                None if slots is None else slots.tobytes(),
+                own,
+                pages,
+                (o + steps).tobytes(),
+                (seq + steps).tobytes(),
+                o.nbytes,
             )
         return n_new
 
@@ -1295,28 +1354,29 @@ class InstrumentedAllocator:
         """Every free op: validate, then forward an empty free untouched, or check and mirror it (``_free``).
         ``parts_of(index, op)`` lists what the op frees per pool; None when this allocator has nothing to check
         for it (an SWA op on a single pool)."""
-        method = getattr(self._w_inner, op)
+        st = self._w_st  # every read below from it (see _CallState)
+        method = getattr(st.inner, op)
         forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
-        with self._w_lock:
-            self._w_st.op = op
+        with st.lock:
+            st.op = op
             # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
             # accepted inline; anything else goes through the full argument checks, which name the fault.
             if not (
                 type(index) is torch.Tensor
                 and index.dtype is _TORCH_I64
-                and self._w_host
+                and st.host
                 and index.is_cpu
                 and index.dim() == 1
-                and (start_pos is _ABSENT or (type(start_pos) is int and start_pos >= 0 and not start_pos % self._w_ps))
+                and (start_pos is _ABSENT or (type(start_pos) is int and start_pos >= 0 and not start_pos % st.ps))
             ):
                 if start_pos is _ABSENT:
-                    self._validate(op, check_index_tensor, arg, index, self._w_device)
+                    self._validate(op, check_index_tensor, arg, index, st.device)
                 else:
                     self._segment_args(op, index, start_pos)
             if index.numel() == 0:
                 return forward()
-            if self._w_fast_free:
-                result = self._free_fast(op, index, forward)
+            if st.fast_free:
+                result = self._free_fast(st, op, index, forward)
                 if result is not _ABSENT:
                     return result
             parts = parts_of(index, op)
@@ -1324,7 +1384,7 @@ class InstrumentedAllocator:
                 return forward()
             return self._free(op, forward, parts)
 
-    def _free_fast(self, op: str, index, forward: Callable):
+    def _free_fast(self, st: _CallState, op: str, index, forward: Callable):
         """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices), for the case
         where every check passes: every page it releases, in each pool, is in use by one and the same request;
         no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment are all
@@ -1334,12 +1394,13 @@ class InstrumentedAllocator:
         dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and reports it.
 
         The pages per pool are the general path's parts computed directly (``_full_set_part``,
-        ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures."""
+        ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures.
+        ``st``: the wrapper's ``_CallState`` (every read from it)."""
         idx = index.numpy()
         if idx.dtype is not _I64:
             return _ABSENT
-        ps, shift = self._w_ps, self._w_shift
-        full, swa = self._w_full, self._w_swa
+        ps, shift = st.ps, st.shift
+        full, swa = st.full, st.swa
         if swa is None:
             if op == "free_segment":
                 parts = ((full, idx[::ps] >> shift, False),)
@@ -1351,7 +1412,7 @@ class InstrumentedAllocator:
             reps = idx[::ps]
             # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
             # general path's swa_mapping_inconsistent.
-            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
+            peers = st.inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
             if np.count_nonzero(peers <= 0):
                 return _ABSENT
             if op == "free_segment":
@@ -1359,7 +1420,7 @@ class InstrumentedAllocator:
             else:
                 parts = ((swa, peers >> shift, False),)
         elif op == "free_full" or op == "free_full_segment":
-            peers = self._w_inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
+            peers = st.inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
             if np.count_nonzero(peers > 0):
                 return _ABSENT  # a live SWA peer: the general path reports it
             parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
@@ -1377,34 +1438,34 @@ class InstrumentedAllocator:
             if not dedup and has_repeat(pages):
                 return _ABSENT
             plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
-        return self._forward_free(op, forward, plans)
+        return self._forward_free(op, forward, plans, st)
 
     def _free_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
-        return parts if self._w_swa is None else self._swa_set_part(free_index) + parts
+        return parts if self._w_st.swa is None else self._swa_set_part(free_index) + parts
 
     def _free_full_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
-        return parts if self._w_swa is None else [self._peer_released_check(free_index, op), *parts]
+        return parts if self._w_st.swa is None else [self._peer_released_check(free_index, op), *parts]
 
     def _page_ids_parts(self, page_ids, op):
-        return [(self._w_full, lambda p: (p, False, None), (page_ids,))]
+        return [(self._w_st.full, lambda p: (p, False, None), (page_ids,))]
 
     def _segment_parts(self, free_index, op):
         parts = [self._full_segment_part(free_index)]
-        return parts if self._w_swa is None else [self._swa_segment_part(free_index, op), *parts]
+        return parts if self._w_st.swa is None else [self._swa_segment_part(free_index, op), *parts]
 
     def _full_segment_parts(self, free_index, op):
-        if self._w_swa is None:
+        if self._w_st.swa is None:
             # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
             return self._full_set_part(free_index)
         return [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
 
     def _swa_parts(self, free_index, op):
-        return None if self._w_swa is None else self._swa_set_part(free_index)
+        return None if self._w_st.swa is None else self._swa_set_part(free_index)
 
     def _swa_segment_parts(self, free_index, op):
-        return None if self._w_swa is None else [self._swa_segment_part(free_index, op)]
+        return None if self._w_st.swa is None else [self._swa_segment_part(free_index, op)]
 
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's
@@ -1429,9 +1490,9 @@ class InstrumentedAllocator:
             self._w_st.op = "resize"
             self._drain(wait=True)
             result = inner.resize(config)
-            led = self.ledger
+            led = self._w_st.ledger
             need_sort = self._w_need_sort
-            pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_pools.items()}
+            pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_st.pools.items()}
             object.__setattr__(self, "_w_pools", pools)
             object.__setattr__(self, "_w_full", pools["full"])
             object.__setattr__(self, "_w_swa", pools.get("swa"))
@@ -1475,7 +1536,7 @@ class InstrumentedAllocator:
     # Page ids from slots: a shift when the page size is a power of two (it floors negatives as // does, and
     # costs less than a division).
     def _full_set_part(self, free_index) -> list:
-        full = self._w_full
+        full = self._w_st.full
         ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
             if shift is not None:
@@ -1484,7 +1545,7 @@ class InstrumentedAllocator:
         return [(full, lambda idx: (idx, False, None), (free_index,))]
 
     def _full_segment_part(self, free_index):
-        full = self._w_full
+        full = self._w_st.full
         ps, shift = self._w_ps, self._w_shift
         if full.dedup_free:
             if shift is not None:
@@ -1505,7 +1566,7 @@ class InstrumentedAllocator:
         return mapping[full_slots.to(torch.int64).clamp(0, mapping.shape[0] - 1)]
 
     def _swa_set_part(self, free_index) -> list:
-        swa = self._w_swa
+        swa = self._w_st.swa
         ps = self._w_ps
         if not self._w_deferred:
             idx = free_index.numpy().astype(np.int64, copy=False)
@@ -1521,7 +1582,7 @@ class InstrumentedAllocator:
         return [(swa, lambda p: (p[p > 0] // ps, True, None), (peers,))]
 
     def _swa_segment_part(self, free_index, op):
-        swa = self._w_swa
+        swa = self._w_st.swa
         ps = self._w_ps
         reps = free_index.numpy()[::ps] if not self._w_deferred else free_index[::ps]
         peers = self._peers_at(reps)
@@ -1545,7 +1606,7 @@ class InstrumentedAllocator:
 
     def _peer_released_check(self, free_index, op):
         peers = self._peers_at(free_index)
-        full = self._w_full.shadow
+        full = self._w_st.full.shadow
         ps = self._w_ps
 
         def check(p, idx):
@@ -1584,7 +1645,7 @@ class InstrumentedAllocator:
         if free_index.device.type != "cpu" or free_index.numel() == 0:
             return -1
         page = int(free_index[0]) // self._w_ps
-        owner = self._w_full.shadow.owner
+        owner = self._w_st.full.shadow.owner
         return int(owner[page]) if 0 <= page < owner.size else -1
 
     def _free(self, op: str, forward: Callable, parts: list):
@@ -1653,39 +1714,40 @@ class InstrumentedAllocator:
             if bad:
                 self._report(bad, pool.name, op)
             plans.append((pool, plan))
-        if self._w_raise and self._w_to_raise:
+        st = self._w_st
+        if st.raising and st.to_raise:
             self._finish()  # raises: the inner allocator never sees the bad free
-        return self._forward_free(op, forward, plans)
+        return self._forward_free(op, forward, plans, st)
 
-    def _forward_free(self, op: str, forward: Callable, plans: list):
+    def _forward_free(self, op: str, forward: Callable, plans: list, st: _CallState):
         """Forward a checked immediate free, then mirror its plans (and deliver). If the inner raises after
         changing its free lists (SGLang's post-condition asserts do), the change is mirrored before the exception
-        propagates; if it raised before changing anything, nothing is."""
+        propagates; if it raised before changing anything, nothing is. ``st``: the wrapper's ``_CallState``."""
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
-        pools = self._w_pools.values()
-        before = None if self._w_atomic_free else [p.entries() for p in pools]
-        timed = self._w_st.want_free  # the duration is only read by the Free events
-        clock = self._w_clock
+        pools = st.pools.values()
+        before = None if st.atomic_free else [p.entries() for p in pools]
+        timed = st.want_free  # the duration is only read by the Free events
+        clock = st.clock
         t0 = clock() if timed else 0.0
         try:
             result = forward()
         except BaseException:
             if before is not None and before != [p.entries() for p in pools]:
-                self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
+                self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
-        self._apply_frees(op, plans, clock() - t0 if timed else 0.0)
-        if self.bus.active or self._w_to_raise or self._w_st.events:
+        self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
+        if st.bus.active or st.to_raise or st.events:
             self._finish()
         return result
 
-    def _apply_frees(self, op: str, plans: list, duration: float) -> None:
+    def _apply_frees(self, op: str, plans: list, duration: float, st: _CallState) -> None:
         if len(plans) == 1:
             pool, plan = plans[0]
             owners = pool.shadow.apply_free(plan)
             if owners.size == 1:
-                self._after_free_one(op, (pool, owners, plan[3]), duration)
+                self._after_free_one(op, (pool, owners, plan[3]), duration, st)
             else:
                 self._after_free(op, [(pool, owners, plan[3])], duration)
         else:
@@ -1695,11 +1757,11 @@ class InstrumentedAllocator:
     def _mirror_on_failure(self, mirror: Callable):
         """If the inner raises after changing its free lists (SGLang's post-condition asserts do), mirror the
         change before the exception propagates; if it raised before changing anything, mirror nothing."""
-        before = [p.entries() for p in self._w_pools.values()]
+        before = [p.entries() for p in self._w_st.pools.values()]
         try:
             yield
         except BaseException:
-            if before != [p.entries() for p in self._w_pools.values()]:
+            if before != [p.entries() for p in self._w_st.pools.values()]:
                 mirror()
                 self._deliver()
             raise
@@ -1707,8 +1769,8 @@ class InstrumentedAllocator:
     def _after_free(self, op: str, touched, duration: float = 0.0) -> None:
         """Ledger and events after a free. ``touched``: (pool, distinct owner slots, entries) per pool."""
         if len(touched) == 1 and touched[0][1].size == 1:
-            return self._after_free_one(op, touched[0], duration)
-        led = self.ledger
+            return self._after_free_one(op, touched[0], duration, self._w_st)
+        led = self._w_st.ledger
         ps = self._w_ps
         slots_all = []
         for pool, owners, n_entries in touched:
@@ -1741,21 +1803,21 @@ class InstrumentedAllocator:
             # never written, held by no one else.
             self._emit_ledger(op, slots, private=True)
 
-    def _after_free_one(self, op: str, touched, duration: float) -> None:
-        """``_after_free`` for the usual free: one request's pages in one pool, in Python ints."""
+    def _after_free_one(self, op: str, touched, duration: float, st: _CallState) -> None:
+        """``_after_free`` for the usual free: one request's pages in one pool, in Python ints. ``st``: the
+        wrapper's ``_CallState`` (every read from it)."""
         pool, owners, n_entries = touched
-        led = self.ledger
+        led = st.ledger
         s = int(owners[0])
         if pool.name == "full":
             # The request's allocated length follows its full-pool pages when they shrink.
-            cap = led.owned["full"].item(s) * self._w_ps
+            cap = led.owned["full"].item(s) * st.ps
             allocated = led.allocated.item(s)
             if allocated > cap:
                 led.allocated[s] = allocated = cap
             if led.committed.item(s) > allocated:
                 led.committed[s] = allocated
         rids = None
-        st = self._w_st
         if st.want_free:
             rids = (led.rid_of(s),)
             st.seq = seq = st.seq + 1
@@ -1866,7 +1928,7 @@ class InstrumentedAllocator:
         if grow is None:
             return
         slots, shares = grow
-        led = self.ledger
+        led = self._w_st.ledger
         ps = self._w_ps
         pages = shares // ps if ps > 1 else shares
         for name in led.owned:
@@ -1879,14 +1941,14 @@ class InstrumentedAllocator:
         # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
         # need_sort merges inside an allocation: otherwise nothing to capture.
         if self._w_need_sort:
-            return [(p.entries(), p.staged()) for p in self._w_pools.values()]
-        if len(self._w_pools) > 1:
-            return [(p.entries(), 0) for p in self._w_pools.values()]
+            return [(p.entries(), p.staged()) for p in self._w_st.pools.values()]
+        if len(self._w_st.pools) > 1:
+            return [(p.entries(), 0) for p in self._w_st.pools.values()]
         return None
 
     def _alloc_none(self, op: str, requested: int, before, duration: float = 0.0) -> None:
         """The inner refused: it must not have taken any page (SGLang's SWA decode can; that is reported)."""
-        for pool, (was, _) in zip(self._w_pools.values(), before or ()):
+        for pool, (was, _) in zip(self._w_st.pools.values(), before or ()):
             now = pool.entries()
             if now != was:
                 pool.shadow.expected_entries = was
@@ -1895,7 +1957,7 @@ class InstrumentedAllocator:
         if self.bus.wants(ev.AllocFailed):
             bound = self._w_bound
             # Name the pool that ran short: the one with fewer free slots.
-            short = min(self._w_pools.values(), key=lambda p: p.allocator.available_size())
+            short = min(self._w_st.pools.values(), key=lambda p: p.allocator.available_size())
             self._emit(
                 ev.AllocFailed,
                 op=op,
@@ -1911,7 +1973,7 @@ class InstrumentedAllocator:
     def _after_merge_check(self, before) -> None:
         # need_sort: an allocation that ran short merged the staged pages into the free list first. Judged
         # from the inner's host-side staged counts, since the shadow may still be behind (deferred mode).
-        for pool, (_, staged_before) in zip(self._w_pools.values(), before):
+        for pool, (_, staged_before) in zip(self._w_st.pools.values(), before):
             if staged_before and pool.staged() == 0:
                 self._slot_tier(pool.shadow.merged)
 
@@ -1931,20 +1993,20 @@ class InstrumentedAllocator:
     def _group_begin(self) -> None:
         if getattr(self._w_inner, "logical_attn_allocator", None) is not None:
             return  # HiSparse: free groups are no-ops (frees happen at once), so nothing is held
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             p.shadow.group_begin()
 
     def _group_end(self) -> None:
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             p.shadow.group_end()
 
     def _merged(self) -> None:
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             p.shadow.merged()
 
     def _cleared(self) -> None:
-        led = self.ledger
-        for p in self._w_pools.values():
+        led = self._w_st.ledger
+        for p in self._w_st.pools.values():
             p.shadow.clear()
             led.owned[p.name][:] = 0
         for s in led.live_slots():
@@ -1952,7 +2014,7 @@ class InstrumentedAllocator:
         led.tainted.clear()
 
     def _do_release(self, rid) -> None:
-        led = self.ledger
+        led = self._w_st.ledger
         slot = led.slot_of(rid, create=False)
         held = {n: int(a[slot]) for n, a in led.owned.items()}
         total = sum(held.values())
@@ -1974,12 +2036,12 @@ class InstrumentedAllocator:
         led.tainted.discard(slot)
 
     def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
-        for pool in self._w_pools.values():
+        for pool in self._w_st.pools.values():
             shadow = pool.shadow
             entries = pool.allocator.available_size() // pool.page_size
             if entries != shadow.expected_entries:  # check_count only on a mismatch (it reports, then resyncs)
                 self._report(shadow.check_count(entries, op), pool.name, op)
-        if every_request or self.ledger.dirty:
+        if every_request or self._w_st.ledger.dirty:
             self._check_ledger_pages(op, every_request)
 
     def _check_ledger_pages(self, op: str, every_request: bool) -> None:
@@ -1987,7 +2049,7 @@ class InstrumentedAllocator:
         pages changed other than by the wrapper's own allocation updates (those keep both in step by
         construction, and the slot tier verifies the pages they name); flush and sweeps compare every one.
         Mismatches are reported pool by pool (full, then swa), each in the order of the compared slots."""
-        led = self.ledger
+        led = self._w_st.ledger
         if every_request:
             slots = led.live_slots()
         else:
@@ -2023,7 +2085,7 @@ class InstrumentedAllocator:
 
     def _check_few_ledger_pages(self, op: str) -> None:
         """``_check_ledger_pages`` of the dirty requests, one by one (for a handful of them)."""
-        led = self.ledger
+        led = self._w_st.ledger
         live, allocated, evicted = led.live, led.allocated, led.evicted
         slots = [s for s in led.dirty if live.item(s)]  # the vector form's order: the set's, live ones only
         led.dirty.clear()
@@ -2047,7 +2109,7 @@ class InstrumentedAllocator:
     def _ledger_mismatch(self, op: str, name: str, s: int, want: int, have: int) -> None:
         """Report that request slot ``s`` owns ``have`` pages of pool ``name`` where its ledger means ``want``:
         once per distinct fact, and not for a request whose root cause (a rejected ledger write) was reported."""
-        led = self.ledger
+        led = self._w_st.ledger
         if s in led.tainted:
             return
         key, fact = (name, s), (want, have)
@@ -2066,8 +2128,8 @@ class InstrumentedAllocator:
         )
 
     def _sweep_leaks(self) -> None:
-        led = self.ledger
-        for pool in self._w_pools.values():
+        led = self._w_st.ledger
+        for pool in self._w_st.pools.values():
             owners = pool.shadow.owner
             used = np.unique(owners[owners >= 0])
             dead = used[~led.live[used]]
@@ -2089,7 +2151,7 @@ class InstrumentedAllocator:
     def _sweep_mapping(self) -> None:
         mapping = self._w_inner.full_to_swa_index_mapping[:-1].detach().to("cpu").numpy()
         ps = self._w_ps
-        full, swa = self._w_full.shadow, self._w_swa.shadow
+        full, swa = self._w_st.full.shadow, self._w_st.swa.shadow
         mapped = np.flatnonzero(mapping > 0)
         if not mapped.size:
             return
@@ -2126,10 +2188,10 @@ class InstrumentedAllocator:
         """Record a violation. Its request id: the owner of ``slot`` when one is given, else ``rid`` (an id the
         message names that owns no slot). A message names a request id only as ``request {rid!r}`` or
         ``request id {rid!r}`` with ``rid`` the violation's own (what ``redact.RequestIdHasher`` replaces)."""
-        rid = self.ledger.rid_of(slot) if slot is not None and slot >= 0 else rid
+        rid = self._w_st.ledger.rid_of(slot) if slot is not None and slot >= 0 else rid
         if rid is not None and invariant in _TAINTING:
             # The request's pages and its ledger no longer agree for a reason already reported.
-            self.ledger.tainted.add(slot)
+            self._w_st.ledger.tainted.add(slot)
         trace = None
         if self.trace_id_for is not None and rid is not None:
             try:
@@ -2170,12 +2232,12 @@ class InstrumentedAllocator:
             )
 
     def _emit_snapshots(self) -> None:
-        led = self.ledger
+        led = self._w_st.ledger
         slots = led.live_slots()
         ledger_rows = tuple(
             (led.rid_of(int(s)), int(led.allocated[s]), int(led.committed[s]), int(led.evicted[s])) for s in slots
         )
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             owner = p.shadow.owner
             used = np.unique(owner[owner >= 0])
             self._emit(
@@ -2192,7 +2254,7 @@ class InstrumentedAllocator:
         st = self._w_st
         if not st.want_pages:
             return
-        for p in self._w_pools.values():
+        for p in self._w_st.pools.values():
             shadow = p.shadow
             deltas = shadow.deltas
             if deltas:  # take_deltas, inlined: most calls have nothing to publish in some pool
@@ -2208,7 +2270,7 @@ class InstrumentedAllocator:
         one writes), so the event may keep it as it is instead of a copy."""
         st = self._w_st
         if st.want_ledger and slots.size:
-            led = self.ledger
+            led = self._w_st.ledger
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_LEDGER(
