@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import threading
 import time
 from collections import Counter, deque
@@ -124,9 +125,11 @@ class _CallState:
       ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
       paths and readers outside);
     - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
-      ``full``, ``swa``, ``one_pool``: replaced by ``resize``) and the ledger: held here only, the single source
-      of truth; the wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa``, ``_w_one_pool`` and ``ledger``
-      are properties that read and write these slots."""
+      ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
+      wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
+      and write these slots;
+    - ``ledger``: the wrapper's public ``ledger`` attribute (a plain attribute, what engines read per request),
+      the same object; an assignment to the wrapper's ``ledger`` is mirrored here (``__setattr__``)."""
 
     __slots__ = (
         "atomic_free",
@@ -147,6 +150,7 @@ class _CallState:
         "ledger",
         "lock",
         "need_sort",
+        "off",
         "one_pool",
         "op",
         "pending",
@@ -190,12 +194,13 @@ class _CallState:
 
 
 def _state_property(field: str, doc: str) -> property:
-    """A wrapper attribute whose one copy lives in the ``_CallState`` slot ``field`` (see ``_CallState``)."""
-    return property(
-        lambda self: getattr(object.__getattribute__(self, "_w_st"), field),
-        lambda self, value: setattr(object.__getattribute__(self, "_w_st"), field, value),
-        doc=doc,
-    )
+    """A wrapper attribute whose one copy lives in the ``_CallState`` slot ``field`` (see ``_CallState``). Read
+    through a C getter (``attrgetter``): no Python frame per read."""
+
+    def set_field(self, value) -> None:
+        setattr(self._w_st, field, value)
+
+    return property(operator.attrgetter(f"_w_st.{field}"), set_field, doc=doc)
 
 
 class _DecodeRun:
@@ -270,17 +275,19 @@ class _Binding:
     """What ``InstrumentedAllocator.batch()`` returns: binds on entry, unbinds on exit (a plain class: a generator
     context manager costs several microseconds per block, and an engine opens one per batched call)."""
 
-    __slots__ = ("_alloc", "_lens", "_rids")
+    __slots__ = ("_alloc", "_lens", "_rids", "_tls")
 
     def __init__(self, alloc, rids, lens):
         self._alloc, self._rids, self._lens = alloc, rids, lens
+        self._tls = None
 
     def __enter__(self):
-        self._alloc._bind(self._rids, self._lens)
-        return self._alloc
+        alloc = self._alloc
+        self._tls = alloc._bind(self._rids, self._lens)
+        return alloc
 
     def __exit__(self, *exc) -> None:
-        self._alloc._w_tls.bound = None
+        self._tls.bound = None  # the wrapper's thread-local binding (what _bind returned)
 
 
 class _OffBatch:
@@ -414,6 +421,7 @@ class InstrumentedAllocator:
         ledger = KvLedger(ps, sliding_window=sliding_window, pools=names)
         ledger._observer = self
         s(self, "ledger", ledger)
+        self._w_st.ledger = ledger  # the same object (see _CallState)
         s(self, "_w_ps", ps)
         s(self, "_w_need_sort", need_sort)
         s(self, "_w_shift", ps.bit_length() - 1 if ps & (ps - 1) == 0 else None)
@@ -456,6 +464,7 @@ class InstrumentedAllocator:
         st.inner, st.lock, st.ps, st.shift = inner, self._w_lock, ps, self._w_shift
         st.pending, st.consts, st.steps, st.device = self._w_pending, self._w_consts, self._w_steps, device
         st.deferred, st.host, st.raising, st.need_sort = deferred, self._w_host, self._w_raise, need_sort
+        st.off = self._w_off
         st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
         st.capture_before = self._w_capture_before
         st.fast_decode, st.fast_alloc, st.fast_free = self._w_fast_decode, self._w_fast_alloc, self._w_fast_free
@@ -472,8 +481,7 @@ class InstrumentedAllocator:
             # (an empty dict's clear(): no arguments, returns None) instead of a Python method call.
             s(self, "step", _NOOP)
 
-    # Reassigned per-wrapper values and the ledger: one copy, on the call state (see _CallState).
-    ledger = _state_property("ledger", "The ``KvLedger`` of the wrapped requests.")
+    # Reassigned per-wrapper values: one copy, on the call state (see _CallState).
     _w_run = _state_property("run", "The decode fast path's ``_DecodeRun`` (None: no run).")
     _w_pools = _state_property("pools", "Pool name -> ``_Pool`` (replaced by ``resize``).")
     _w_full = _state_property("full", "The full pool's ``_Pool``.")
@@ -500,6 +508,8 @@ class InstrumentedAllocator:
     def __setattr__(self, name, value):
         if name.startswith("_w_") or name in _OWN_ATTRS:
             object.__setattr__(self, name, value)
+            if name == "ledger":
+                self._w_st.ledger = value  # the hot paths' copy (see _CallState)
         else:
             setattr(self._w_inner, name, value)
 
@@ -576,11 +586,12 @@ class InstrumentedAllocator:
         none. Binding does not nest, and it belongs to the calling thread: calls from another thread are not
         attributed to it. Off mode attributes (and remembers) nothing: the block costs an attribute lookup.
         """
-        if self._w_off:
+        if self._w_st.off:
             return self._w_off_batch
         return _Binding(self, rids, lens)
 
-    def _bind(self, rids, lens) -> None:
+    def _bind(self, rids, lens):
+        """Bind the calling thread to ``rids`` (see ``batch``); returns the thread-local that holds the binding."""
         try:
             rids = tuple(rids)
             distinct = len(set(rids))
@@ -597,25 +608,28 @@ class InstrumentedAllocator:
             # one by one, which names the bad entry.
             if not (set(map(type, lens)) <= {int} and (not len(lens) or min(lens) >= 0)):
                 lens = [check_int("lens", x) for x in lens]
-        tls = self._w_tls
-        with self._w_lock:
+        st = self._w_st
+        tls = st.tls
+        with st.lock:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
-            slots = self._w_st.ledger.slots_of(rids)
+            slots = st.ledger.slots_of(rids)
             # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) share them instead
             # of a copy each, which is safe because slots_of returns a fresh array that owns its memory.
             slots.flags.writeable = False
             # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
             # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
             tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
+        return tls
 
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
-        if self._w_off:
+        st = self._w_st  # the wrapper's state, read from it (see _CallState)
+        if st.off:
             return
-        with self._w_lock:
+        with st.lock:
             try:
-                known = rid in self._w_st.ledger
+                known = rid in st.ledger
             except TypeError:
                 known = None
             if known is None:
@@ -626,32 +640,35 @@ class InstrumentedAllocator:
             if not known:
                 # The id is named (and carried as the violation's rid, so a hasher can redact it in the message).
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"), rid=rid)
-            self._w_st.op = "release"
-            self._slot_tier(lambda: self._do_release(rid))
+            st.op = "release"
+            if st.deferred:
+                self._slot_tier(lambda: self._do_release(rid))
+            else:
+                self._do_release(rid)  # what _slot_tier does at once in immediate mode, without the closure
             self._finish()
 
     def step(self) -> None:
         """A step boundary: deferred checks whose copies are complete, count conservation, the ledger against
         the pages, periodic snapshots. Never waits on the device."""
-        if self._w_off:
+        st = self._w_st  # every read below from it (see _CallState)
+        if st.off:
             return
-        with self._w_lock:
-            st = self._w_st
+        with st.lock:
             st.step += 1
             st.op = "step"
-            pending = self._w_pending
+            pending = st.pending
             if pending:
                 self._drain(wait=False)
             if not pending:
-                one = self._w_st.one_pool
-                if one is not None and not self._w_st.ledger.dirty:
+                one = st.one_pool
+                if one is not None and not st.ledger.dirty:
                     # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
                     allocator, ps, shadow = one
                     if allocator.available_size() // ps != shadow.expected_entries:
                         self._boundary_checks("step")
                 else:
                     self._boundary_checks("step")
-            bus = self.bus
+            bus = st.bus
             if bus.active:
                 if st.want_pages:
                     self._flush_deltas()
@@ -662,7 +679,7 @@ class InstrumentedAllocator:
                             seq,
                             st.clock(),
                             st.step,
-                            {n: p.shadow.expected_entries for n, p in self._w_st.pools.items()},
+                            {n: p.shadow.expected_entries for n, p in st.pools.items()},
                         )
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
@@ -757,41 +774,41 @@ class InstrumentedAllocator:
         evict = st.want_evict and field == "swa_evicted_seqlen"
         if not (write or evict):
             return  # as with no sink: nothing to build, and a ledger write leaves no page delta to publish
-        with self._w_lock:
+        with st.lock:
             if write:
                 self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
             if evict:
-                ps = self._w_ps
+                ps = st.ps
                 self._emit(ev.SwaEvict, rid=rid, old=old, new=new, n_pages=new // ps - old // ps)
             self._deliver()
 
     # -- allocation ops ---------------------------------------------------------------------------------------
     def alloc(self, need_size: int):
-        inner = self._w_inner
-        with self._w_lock:
+        st = self._w_st  # the wrapper's state, read from it (see _CallState)
+        with st.lock:
             op = "alloc"
-            self._w_st.op = op
+            st.op = op
             if type(need_size) is int and need_size >= 0:
                 n = need_size  # what check_int accepts and returns unchanged
             else:
                 n = self._validate(op, check_int, "need_size", need_size)
-            bound = getattr(self._w_tls, "bound", None)
+            bound = getattr(st.tls, "bound", None)
             if bound is not None and bound[2] is not None and int(_ADD.reduce(bound[2])) != n:
                 self._invalid(
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
-            before = self._entries_before() if self._w_capture_before else None
-            t0 = self._w_clock()
-            out = inner.alloc(n)
-            dt = self._w_clock() - t0
-            if self._w_need_sort:
+            before = self._entries_before() if st.capture_before else None
+            t0 = st.clock()
+            out = st.inner.alloc(n)
+            dt = st.clock() - t0
+            if st.need_sort:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
-            fast = self._w_fast_alloc and bound is not None and n and out.shape[0] == n
-            if fast and self._alloc_fast(out, n, bound, dt):
+            fast = st.fast_alloc and bound is not None and n and out.shape[0] == n
+            if fast and self._alloc_fast(st, out, n, bound, dt):
                 return out
-            ps = self._w_ps
+            ps = st.ps
             expect = n if ps == 1 else n // ps * ps
             got = int(out.shape[0])
             if got != n:
@@ -868,17 +885,18 @@ class InstrumentedAllocator:
         return self._extend("alloc_extend_swa_tail", inner.alloc_extend_swa_tail, args, {}, tail=swa_tail_len)
 
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=_ABSENT):
-        with self._w_lock:
-            self._w_st.op = op
+        st = self._w_st  # the wrapper's state, read from it (see _CallState)
+        with st.lock:
+            st.op = op
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
-            trusted = self._w_inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
+            trusted = st.inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
             if trusted:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
                 bs = self._validate(
                     op,
                     check_batch,
-                    self._w_device,
+                    st.device,
                     prefix_lens=prefix_lens,
                     prefix_lens_cpu=prefix_lens_cpu,
                     seq_lens=seq_lens,
@@ -894,19 +912,25 @@ class InstrumentedAllocator:
                     )
                 if tail > n:
                     self._invalid(op, ArgumentValueError("swa_tail_len", f"{tail} exceeds extend_num_tokens {n}"))
-            slots = self._bound_slots(bs, op)
-            before = self._entries_before()
-            t0 = self._w_clock()
+            bound = getattr(st.tls, "bound", None)
+            if bound is None:
+                slots = None
+            elif len(bound[0]) == bs:
+                slots = bound[1]
+            else:
+                slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
+            before = self._entries_before() if st.capture_before else None
+            t0 = st.clock()
             try:
                 out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
             except ArgumentError as exc:
                 self._invalid(op, exc)
-            dt = self._w_clock() - t0
-            if self._w_need_sort:
+            dt = st.clock() - t0
+            if st.need_sort:
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, n, before, dt)
-            ps, shift = self._w_ps, self._w_shift
+            ps, shift = st.ps, st.shift
             prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
             seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
             ext = seq - prefix
@@ -947,16 +971,16 @@ class InstrumentedAllocator:
             runs = (
                 new_mask is None
                 and shift is not None
-                and not self._w_deferred
+                and not st.deferred
                 and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
             )
-            full, swa_pool = self._w_st.full, self._w_st.swa
+            full, swa_pool = st.full, st.swa
             if slots is not None:
-                led = self._w_st.ledger
+                led = st.ledger
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
-                self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
+                self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is _ABSENT:
@@ -970,7 +994,7 @@ class InstrumentedAllocator:
                     swa_own = own if slots is None else own[-tail:]
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
-                    self._w_st.ledger.owned["swa"][slots] += swa_grow
+                    st.ledger.owned["swa"][slots] += swa_grow
 
             def check(o, pos, own, pool, new, n, name):
                 if runs and self._alloc_runs(o, pos, own, pool.shadow, n):
@@ -995,9 +1019,10 @@ class InstrumentedAllocator:
                 self._slot_tier(verify, out, peer)
             else:
                 self._slot_tier(verify, out)
-            self._emit_alloc(op, got, n_new, dt)
+            emit_alloc = self._emit_alloc
+            emit_alloc(op, got, n_new, dt)
             if swa_grow is not None:
-                self._emit_alloc(op, int(swa_pos.size), swa_n_new, 0.0, pool="swa")
+                emit_alloc(op, int(swa_pos.size), swa_n_new, 0.0, pool="swa")
             self._finish()
             return out
 
@@ -1133,7 +1158,8 @@ class InstrumentedAllocator:
             self._emit_alloc(op, got, n_new, dt)
             if swa_pool is not None:
                 self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-        if self._w_st.events or self._w_to_raise:
+        st = self._w_st
+        if st.events or st.to_raise:
             self._finish()
         return out
 
@@ -1170,12 +1196,12 @@ class InstrumentedAllocator:
         shadow.expected_entries -= n_new
         return True
 
-    def _alloc_fast(self, out, n: int, bound, dt: float) -> bool:
+    def _alloc_fast(self, st: _CallState, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
         extend there), for the case where every check passes: every slot in range and free. Then it applies what
         the general path applies (the requests' shares as in ``_alloc_owners``, their ledger rows, the shadow,
         the free count, the events in the same order) and returns True. Otherwise it returns False having changed
-        nothing, and the general path checks the call and reports it."""
+        nothing, and the general path checks the call and reports it. ``st``: the wrapper's ``_CallState``."""
         o = out.numpy()
         if o.dtype is not _I64:
             return False
@@ -1188,12 +1214,12 @@ class InstrumentedAllocator:
             shares, own = 1, slots  # a decode: one slot each
         else:
             return False
-        shadow = self._w_st.full.shadow
+        shadow = st.full.shadow
         # A slot outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
         prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
             return False  # handed out twice, reserved, or outside the pool: the general path reports it
-        led = self._w_st.ledger
+        led = st.ledger
         for arr in led.owned.values():
             arr[slots] += shares
         led.allocated[slots] += shares
@@ -1201,7 +1227,7 @@ class InstrumentedAllocator:
         self._emit_ledger("alloc", slots, rids, private=True)  # the binding's (read-only)
         shadow._set(o, own)
         shadow.expected_entries -= n
-        if self.bus.active:
+        if st.bus.active:
             self._emit_alloc("alloc", n, n, dt)
             self._finish()
         return True
@@ -1330,30 +1356,31 @@ class InstrumentedAllocator:
 
     # -- free ops ---------------------------------------------------------------------------------------------
     def free(self, free_index):
-        return self._free_call("free", free_index, _ABSENT, self._free_parts)
+        return self._free_call("free", free_index, _ABSENT, "_free_parts")
 
     def free_full(self, free_index):
-        return self._free_call("free_full", free_index, _ABSENT, self._free_full_parts)
+        return self._free_call("free_full", free_index, _ABSENT, "_free_full_parts")
 
     def free_page_ids(self, page_ids):
-        return self._free_call("free_page_ids", page_ids, _ABSENT, self._page_ids_parts, arg="page_ids")
+        return self._free_call("free_page_ids", page_ids, _ABSENT, "_page_ids_parts", arg="page_ids")
 
     def free_segment(self, free_index, *, start_pos):
-        return self._free_call("free_segment", free_index, start_pos, self._segment_parts)
+        return self._free_call("free_segment", free_index, start_pos, "_segment_parts")
 
     def free_full_segment(self, free_index, *, start_pos):
-        return self._free_call("free_full_segment", free_index, start_pos, self._full_segment_parts)
+        return self._free_call("free_full_segment", free_index, start_pos, "_full_segment_parts")
 
     def free_swa(self, free_index):
-        return self._free_call("free_swa", free_index, _ABSENT, self._swa_parts)
+        return self._free_call("free_swa", free_index, _ABSENT, "_swa_parts")
 
     def free_swa_segment(self, free_index, *, start_pos):
-        return self._free_call("free_swa_segment", free_index, start_pos, self._swa_segment_parts)
+        return self._free_call("free_swa_segment", free_index, start_pos, "_swa_segment_parts")
 
-    def _free_call(self, op: str, index, start_pos, parts_of: Callable, *, arg: str = "free_index"):
+    def _free_call(self, op: str, index, start_pos, parts_of: str, *, arg: str = "free_index"):
         """Every free op: validate, then forward an empty free untouched, or check and mirror it (``_free``).
-        ``parts_of(index, op)`` lists what the op frees per pool; None when this allocator has nothing to check
-        for it (an SWA op on a single pool)."""
+        ``parts_of``: the name of the method whose ``(index, op)`` lists what the op frees per pool; None when
+        this allocator has nothing to check for it (an SWA op on a single pool). A name, looked up only when the
+        fast path declines: a bound method per call costs a slow lookup on the wrapper (see _CallState)."""
         st = self._w_st  # every read below from it (see _CallState)
         method = getattr(st.inner, op)
         forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
@@ -1379,7 +1406,7 @@ class InstrumentedAllocator:
                 result = self._free_fast(st, op, index, forward)
                 if result is not _ABSENT:
                     return result
-            parts = parts_of(index, op)
+            parts = getattr(self, parts_of)(index, op)
             if parts is None:
                 return forward()
             return self._free(op, forward, parts)
@@ -2014,7 +2041,8 @@ class InstrumentedAllocator:
         led.tainted.clear()
 
     def _do_release(self, rid) -> None:
-        led = self._w_st.ledger
+        st = self._w_st
+        led = st.ledger
         slot = led.slot_of(rid, create=False)
         held = {n: int(a[slot]) for n, a in led.owned.items()}
         total = sum(held.values())
@@ -2028,7 +2056,6 @@ class InstrumentedAllocator:
                 op="release",
                 pool=next(n for n, v in held.items() if v),
             )
-        st = self._w_st
         if st.want_released:
             st.seq = seq = st.seq + 1
             st.events.append(_B_RELEASED(seq, st.clock(), st.step, rid, total, peak))
@@ -2254,7 +2281,7 @@ class InstrumentedAllocator:
         st = self._w_st
         if not st.want_pages:
             return
-        for p in self._w_st.pools.values():
+        for p in st.pools.values():
             shadow = p.shadow
             deltas = shadow.deltas
             if deltas:  # take_deltas, inlined: most calls have nothing to publish in some pool
@@ -2270,7 +2297,7 @@ class InstrumentedAllocator:
         one writes), so the event may keep it as it is instead of a copy."""
         st = self._w_st
         if st.want_ledger and slots.size:
-            led = self._w_st.ledger
+            led = st.ledger
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_LEDGER(
