@@ -19,6 +19,7 @@ import pytest
 from exporters.recorder import Recording
 from instrumented_alloc import cli
 from instrumented_alloc.sim import FAULTS, PRESETS
+from tests.ctrl_c import restore_sigint
 
 
 def _script() -> list[str]:
@@ -197,7 +198,7 @@ def test_a_trace_drives_the_demo(tmp_path):
 
 def _start(*args):
     return subprocess.Popen([*_script(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=restore_sigint)
 
 
 def _wait_line(proc, prefix, timeout=60.0):

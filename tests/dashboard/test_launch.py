@@ -18,6 +18,7 @@ from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
 from dashboard.data import DashboardInputError, RecordingDir
 from dashboard.launch import APP, ROOT, Server, command
 from instrumented_alloc.cli import build_parser
+from tests.ctrl_c import restore_sigint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,7 @@ def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(t
         [sys.executable, "-m", "instrumented_alloc.cli", "demo", "--preset", "swa-128", "--pace", "50",
          "--record", str(tmp_path / "live.sqlite"), "--dashboard", "--dashboard-port", str(port)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=restore_sigint,  # the test sends Ctrl-C (see tests/ctrl_c.py)
     )  # fmt: skip
     try:
         url = None
