@@ -408,6 +408,13 @@ class InstrumentedAllocator:
 
         ps = int(inner.page_size)
         device = torch.device(inner.device)
+        if verify == "immediate" and device.type != "cpu":
+            # Immediate checks read the handed-out slots on the host during the call: on a device that is a sync
+            # per call at best (and numpy cannot view device memory at all).
+            raise ValueError(
+                f"verify: 'immediate' reads the slots on the host during each call and needs a CPU allocator; "
+                f"this one is on {device} (use 'auto' or 'deferred')"
+            )
         need_sort = bool(getattr(inner, "need_sort", False))
         full_alloc = getattr(inner, "full_attn_allocator", None)
         swa_alloc = getattr(inner, "swa_attn_allocator", None)

@@ -266,6 +266,15 @@ def test_constructor_errors_name_the_parameter(kwargs, exc, name):
     assert str(info.value).startswith(f"{name}: ")
 
 
+def test_immediate_verification_needs_a_cpu_allocator():
+    inner = PagedTokenToKVPoolAllocator(64, 16, torch.float16, "meta")
+    with pytest.raises(ValueError) as info:
+        InstrumentedAllocator(inner, verify="immediate")
+    assert str(info.value).startswith("verify: ") and "on meta" in str(info.value)
+    assert InstrumentedAllocator(inner, verify="auto").deferred  # auto defers off the CPU
+    assert InstrumentedAllocator(inner, verify="deferred").deferred
+
+
 def test_constructor_requires_inner():
     with pytest.raises(TypeError, match="inner is required"):
         InstrumentedAllocator()
