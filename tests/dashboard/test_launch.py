@@ -98,6 +98,7 @@ def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(t
          "--record", str(tmp_path / "live.sqlite"), "--dashboard", "--dashboard-port", str(port)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=restore_sigint,  # the test sends Ctrl-C (see tests/ctrl_c.py)
+        start_new_session=True,  # its own process group: a stop that hangs is killed with its app (below)
     )  # fmt: skip
     try:
         url = None
@@ -113,7 +114,12 @@ def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(t
             assert r.read().strip() == b"ok"
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: the demo stops cleanly, and its dashboard with it
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the demo and its app: a failed stop leaves neither running
+            proc.communicate()
+            raise
     assert proc.returncode == 0, err[-2000:]
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still refuses
