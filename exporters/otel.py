@@ -89,6 +89,7 @@ exports are counted the same way).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -135,6 +136,7 @@ _LEDGER_FIELDS = {
 }
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
+_NONES = itertools.repeat(None)  # slots not read: no skipped free to look up
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
 # The most attributes a span (11) or an event (8) of ours carries, with room: span limits below this (set by
 # OTEL_*_ATTRIBUTE_COUNT_LIMIT) are left to the SDK's spans to apply, so the fast path never needs to trim.
@@ -555,6 +557,7 @@ class _Req:
         "decode_steps",
         "dropped",
         "evicted",
+        "mark",
         "n_events",
         "span",
         "violations",
@@ -567,6 +570,8 @@ class _Req:
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        # seq of the latest event that set cur_*: a free skipped after it (bus.skipped_frees) moved them since.
+        self.mark = 0
 
     def add_event(self, name: str, attrs: dict) -> None:
         self.span.add_event(name, attrs)
@@ -619,6 +624,8 @@ class _FastReq(_Req):
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        # seq of the latest event that set cur_*: a free skipped after it (bus.skipped_frees) moved them since.
+        self.mark = 0
         ids = tracer.ids
         self.tracer = tracer
         self.id_attr = id_attr
@@ -708,6 +715,10 @@ class OtelExporter:
     # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
     # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
     decode_allocs = False
+    # A free's LedgerUpdate only moves the current values (cur_*), which matter for the request's next allocation
+    # alone: the wrapper keeps them in bus.skipped_frees instead, read at that allocation (this sink runs on the
+    # wrapper's thread, as that requires), and a free call delivers no batch to us.
+    free_ledgers = False
 
     def __init__(
         self,
@@ -743,6 +754,7 @@ class OtelExporter:
         self._id_attr = _attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
         self._ledger = alloc.ledger
+        self._skipped_frees = alloc.bus.skipped_frees
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
@@ -982,14 +994,17 @@ class OtelExporter:
                 # Frees: a request torn down before its release keeps its last allocated record on the span; only
                 # the current values move (a retracted request's next prefill is measured from them).
                 get = self._open.get
+                seq = e.seq
                 for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
                     r = get(rid)
                     if r is not None:
                         r.cur_allocated, r.cur_committed = a, c
+                        r.mark = seq
                 return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         if op in DECODE_OPS:
             get = self._open.get
+            seq = e.seq
             # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
             # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
@@ -1002,20 +1017,31 @@ class OtelExporter:
                 r.committed = r.cur_committed = c
                 r.evicted = v
                 r.decode_steps += 1
+                r.mark = seq
             self._dec = [e.rids, e, 0]
             self._dec_version = self._open_version
             return
         pending = self._pending
         get = self._open.get
-        for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
+        seq = e.seq
+        skipped = self._skipped_frees
+        for rid, a, c, v, slot in zip(e.rids, alloc, comm, e.evicted.tolist(), e.slots.tolist() if skipped else _NONES):
             if rid is None:
                 continue
             r = get(rid)
             if r is None:
                 r = self._start(rid)
+            if skipped:
+                # A free since the record's latest update whose LedgerUpdate was not built (free_ledgers = False):
+                # the values it left are what this allocation's share is measured from, as its update would have
+                # set them. Before this update only (mark < seq): a free later in the same call is not yet.
+                f = skipped.get(slot)
+                if f is not None and r.mark <= f[0] < seq:
+                    r.cur_allocated, r.cur_committed = f[1], f[2]
             pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed, r)
             r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
+            r.mark = seq
 
     def _flush_decode(self) -> None:
         """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it."""
@@ -1024,6 +1050,7 @@ class OtelExporter:
             return
         _, e, n = d
         get = self._open.get
+        seq = e.seq
         for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
             r = get(rid)
             if r is None:
@@ -1032,6 +1059,7 @@ class OtelExporter:
             r.committed = r.cur_committed = c
             r.evicted = v
             r.decode_steps += n
+            r.mark = seq
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids
@@ -1088,6 +1116,7 @@ class OtelExporter:
         setattr(r, column, e.new)
         if column != "evicted":
             setattr(r, "cur_" + column, e.new)
+            r.mark = e.seq
 
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:

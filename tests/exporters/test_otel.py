@@ -1051,8 +1051,8 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
 def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
     the same object; steps between them: events this sink does not read) are folded into one pending update, the
-    first decode too when every span is open; a decode of a different batch or the frees before a release (ledger
-    updates this sink reads) apply it first.
+    first decode too when every span is open; a decode of a different batch or a release applies it first (the
+    frees before a release build no event for this sink: ``free_ledgers = False``).
     The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
     the slots of whole pages reserved, page size 4)."""
     provider, mem = memory
@@ -1071,8 +1071,9 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
         w.step()
     assert exp._dec[2] == 2
     w.free(t(a.row))
-    assert exp._dec is None
+    assert exp._dec[2] == 2  # nothing delivered to this sink
     w.release_request("a")
+    assert exp._dec is None
     w.free(t(b.row))
     w.release_request("b")
     spans = request_spans(mem)
@@ -1252,3 +1253,87 @@ def test_fast_request_record_gives_the_sdk_spans_attributes_in_their_order(memor
     assert fast == sdk and len(fast) == 2
     assert [k for k, _ in fast[1][1]][:3] == ["kv.request.id", "kv.page_size", "kv.open_at_shutdown"]
     assert dict(fast[0][1])["kv.decode_steps"] == 2 and dict(fast[0][1])["kv.pages.held_at_release"] == 0
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_they_are(verify):
+    """The exporter declares ``free_ledgers = False``: alone, the wrapper builds no LedgerUpdate of a free for it
+    (a free call delivers nothing) and keeps the values each would have carried in ``bus.skipped_frees`` until the
+    release; the exporter measures a request's next allocation from them. With a sink that reads every event, it
+    receives the frees' updates instead. The spans are the same either way, attribute for attribute, event for
+    event: a retracted request's re-prefill, a partial free followed by a decode (the free's values are older than
+    the decode's: not used) and by an extend (used), in immediate and deferred verification."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+                self.free_ledgers = OtelExporter.free_ledgers
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        mem = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        w = InstrumentedAllocator(
+            PagedTokenToKVPoolAllocator(128, PS, torch.float16, "cpu"), mode="record", verify=verify, sinks=extra
+        )
+        exp = OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)
+        w.subscribe(seen)
+        # Two requests per allocation: a share measured from the wrong values makes the shares miss the call's
+        # total, and the event then carries the batch's figures instead of the request's.
+        a, b, c = Req("a"), Req("b"), Req("c")
+        extend(w, [a, b, c], [5, 7, 6])
+        for _ in range(2):
+            decode(w, [a, b, c])
+            w.step()
+        w.free(t(a.row))  # retract a: all its KV freed, not released
+        w.step()
+        a.row = []
+        extend(w, [a, c], [6, 2])  # a's re-prefill: 6 slots, measured from the free's values (0)
+        w.free(t(b.row[8:]))  # b's last page (slot 8): its record shrinks to 8
+        w.step()
+        b.row = b.row[:8]
+        decode(w, [b])  # newer than the free: b's next extend is measured from this decode (9)
+        extend(w, [b, c], [3, 1])
+        w.step()
+        w.free(t(b.row[8:]))  # back to 8 tokens, then an extend measured from the free
+        w.step()
+        b.row = b.row[:8]
+        extend(w, [b, c], [2, 1])
+        w.step()
+        skipped_live = dict(w.bus.skipped_frees)
+        for r in (a, b, c):
+            w.free(t(r.row))
+            w.step()
+            w.release_request(r.rid)
+        w.step()
+        assert not w.violations
+        assert w.bus.skipped_frees == {}  # each entry dropped at its request's release
+        spans = request_spans(mem)
+        provider.shutdown()
+        free_updates = [e for e in seen.events if type(e) is ev.LedgerUpdate and not e.op.startswith("alloc")]
+        return spans, free_updates, skipped_live
+
+    alone, none_built, skipped = run([])
+    with_keeper, built, none_kept = run([Keep()])
+    assert none_built == [] and len(built) == 6
+    assert len(skipped) == 2 and none_kept == {}  # a's and b's slots, until their release
+    assert alone.keys() == with_keeper.keys() == {"a", "b", "c"}
+    for rid in alone:
+        x, y = alone[rid], with_keeper[rid]
+        assert list(x.attributes.items()) == list(y.attributes.items())
+        assert [(e.name, list(e.attributes.items())) for e in x.events] == [
+            (e.name, list(e.attributes.items())) for e in y.events
+        ]
+    assert [e["kv.n_slots"] for _, e in events(alone["a"], "kv.prefill")] == [5, 6]
+    assert [e["kv.n_slots"] for _, e in events(alone["b"], "kv.prefill")] == [7, 3, 2]
+    assert [e["kv.n_slots"] for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 1, 1]
