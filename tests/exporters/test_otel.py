@@ -1285,7 +1285,7 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
         w = InstrumentedAllocator(
             PagedTokenToKVPoolAllocator(128, PS, torch.float16, "cpu"), mode="record", verify=verify, sinks=extra
         )
-        exp = OtelExporter(w, tracer_provider=provider)
+        OtelExporter(w, tracer_provider=provider)
         seen = Keep(like_otel=True)
         w.subscribe(seen)
         # Two requests per allocation: a share measured from the wrong values makes the shares miss the call's
