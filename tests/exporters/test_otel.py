@@ -1337,3 +1337,126 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
     assert [e["kv.n_slots"] for _, e in events(alone["a"], "kv.prefill")] == [5, 6]
     assert [e["kv.n_slots"] for _, e in events(alone["b"], "kv.prefill")] == [7, 3, 2]
     assert [e["kv.n_slots"] for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 1, 1]
+
+
+# -- 6. the OTLP request encoder ---------------------------------------------------------------------------------
+def _sdk_request_bytes(spans) -> bytes:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans(spans).SerializePartialToString()
+
+
+def test_encoder_writes_the_sdks_request_bytes_for_our_spans(otel_env):
+    """``_encode_request`` (what our own OTLP exporter sends) gives byte for byte the SDK encoder's request for
+    the fast path's spans: request spans with every event kind, ERROR statuses, hashed ids, violation spans with
+    and without a parent, spans left open at shutdown; in one batch and one span at a time."""
+    from exporters.otel import _encode_request, _KeyCache
+
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    exp = OtelExporter(w, span_exporter=mem, hash_request_ids=b"k" * 16)
+    _equivalence_scenario(w, exp)
+    exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    assert len(spans) >= 8 and {s.name for s in spans} == {"kv.request", "kv.violation"}
+    keys, cache = _KeyCache(), {}
+    assert _encode_request(spans, keys, cache) == _sdk_request_bytes(spans)
+    for s in spans:
+        assert _encode_request([s], keys, cache) == _sdk_request_bytes([s])
+    assert _encode_request([], keys, cache) == _sdk_request_bytes([]) == b""
+
+
+def test_encoder_writes_the_sdks_request_bytes_for_any_sdk_span():
+    """Spans of the SDK itself (a provider passed in): every attribute value type (and those the SDK encodes or
+    refuses its own way: lists, None, bytes, an int beyond int64, a lone surrogate), limits that drop attributes
+    and events, links, a remote parent with a trace state, several resources and scopes interleaved, equal
+    resources in distinct objects. Byte for byte the SDK encoder's request."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        SpanContext,
+        Status,
+        TraceFlags,
+        TraceState,
+        set_span_in_context,
+    )
+
+    from exporters.otel import _encode_request, _KeyCache
+
+    mem = InMemorySpanExporter()
+    providers = [
+        TracerProvider(
+            resource=Resource({"service.name": "x", "n": 1}),
+            span_limits=SpanLimits(max_span_attributes=6, max_event_attributes=2),
+        ),
+        TracerProvider(
+            resource=Resource({"service.name": "y"}, schema_url="https://s/1"), span_limits=SpanLimits(max_events=1)
+        ),
+        TracerProvider(resource=Resource({"service.name": "x", "n": 1})),  # equal to the first, another object
+    ]
+    for p in providers:
+        p.add_span_processor(SimpleSpanProcessor(mem))
+    values = {
+        "s": "text",
+        "empty": "",
+        "uni": "ünï ✓",
+        "long": "x" * 300,
+        "t": True,
+        "f": False,
+        "zero": 0,
+        "small": 127,
+        "mid": 128,
+        "big": 2**62,
+        "neg": -5,
+        "minus_big": -(2**63),
+        "float": 1.5,
+        "nan": float("nan"),
+        "negzero": -0.0,
+        "list": [1, 2, 3],
+        "strs": ("a", "b"),
+        "bools": [True, False],
+    }
+    remote = SpanContext(7, 8, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    for i, p in enumerate(providers * 2):
+        tracer = p.get_tracer(f"scope{i % 2}", "1.0" if i % 2 else "", schema_url="https://scope" if i % 2 else None)
+        ctx = set_span_in_context(NonRecordingSpan(remote)) if i == 3 else None
+        span = tracer.start_span(
+            f"span{i}", context=ctx, links=[Link(remote, {"l": 1})] if i == 4 else (), attributes={"i": i}
+        )
+        for k, v in values.items():
+            span.set_attribute(k, v)
+        span.add_event("e", {"a": 1, "b": "two", "c": [1.0]}, timestamp=1234567890123456789)
+        span.add_event("", {})
+        if i == 1:
+            span.set_status(Status(StatusCode.ERROR, "bad ✗"))
+        elif i == 2:
+            span.set_status(Status(StatusCode.OK))
+        span.end()
+    # Values the SDK's span refuses at set_attribute, put into a ReadableSpan's attributes directly: the encoder
+    # must do what the SDK's encoder does with them (encode None as an empty value, refuse the others and log).
+    odd = mem.get_finished_spans()[0]
+    odd._attributes = {"none": None, "bytes": b"\x00\x01", "huge": 2**64, "surrogate": "\ud800", 5: "int key"}
+    spans = mem.get_finished_spans()
+    assert len(spans) == 6 and spans[3].dropped_attributes > 0 and spans[3].events[0].dropped_attributes == 1
+    assert spans[1].dropped_events == 1
+    assert _encode_request(spans, _KeyCache(), {}) == _sdk_request_bytes(spans)
+    for s in spans:
+        assert _encode_request([s], _KeyCache(), {}) == _sdk_request_bytes([s])
+    for p in providers:
+        p.shutdown()
+
+
+def test_own_provider_exports_with_the_direct_encoder(otel_env):
+    """Our own provider's OTLP exporter is ``_OtlpSpanExporter``: it posts ``_encode_request``'s body (checked
+    end to end against a receiver in test_otlp_http_end_to_end); after its shutdown it is the SDK's export."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from exporters.otel import _OtlpSpanExporter
+
+    w = paged()
+    exp = OtelExporter(w, endpoint=f"http://127.0.0.1:{_free_port()}")
+    assert type(exp._span_exporter.inner) is _OtlpSpanExporter and exp._span_exporter.inner._direct
+    exp.shutdown(timeout_millis=2000)
+    assert exp._span_exporter.inner.export([]) is SpanExportResult.FAILURE  # shut down: the SDK's answer
