@@ -70,6 +70,16 @@ Threading and what is dropped when
   that). Any other sampler or limit: the SDK's spans, which apply them.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
+- What the sink reads (``event_types``; ``decode_allocs = False`` and ``free_ledgers = False``, see
+  ``instrumented_alloc/events.py``): no ``Alloc`` of a decode and no ``LedgerUpdate`` of a free, so that on its own
+  a free call builds no event and delivers no batch. A free moves only the request's current ledger values, which
+  matter for its next allocation alone (a retracted request's re-prefill is measured from them): the sink reads
+  them there from ``alloc.bus.skipped_frees``, which is why it must run on the wrapper's thread (behind a
+  ``NonBlockingSink`` it receives the frees' updates instead). The spans are the same either way.
+- Our own OTLP exporter (``_OtlpSpanExporter``) is the SDK's ``OTLPSpanExporter`` with its request body written
+  directly (``_encode_request``): byte for byte what the SDK's encoder serialises, for about a quarter of the
+  worker thread's CPU per span (the SDK builds a protobuf object per attribute and value first). Resources, scopes
+  and any attribute value other than str, bool, int64 and float still go through the SDK's encoder.
 
 Request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a random
 key): ``kv.request.id`` (of request and violation spans) and the request id inside ``kv.violation.message`` and the
