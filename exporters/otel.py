@@ -130,7 +130,7 @@ try:  # the SDK encoder's parts that _encode_request reuses, and the OTLP/HTTP e
         _encode_instrumentation_scope,
         _encode_resource,
     )
-    from opentelemetry.exporter.otlp.proto.http._common import _is_request_too_large
+    from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError, _is_request_too_large
 except ImportError:  # another SDK version: _OtlpSpanExporter is then the SDK's exporter
     _is_request_too_large = None
 from instrumented_alloc.redact import as_hasher
@@ -591,8 +591,9 @@ class _OtlpSpanExporter(OTLPSpanExporter):
     """``OTLPSpanExporter`` (OTLP/HTTP, protobuf) whose request body is ``_encode_request``'s: the same bytes as the
     SDK's ``encode_spans(spans).SerializePartialToString()`` for a fraction of the worker thread's CPU. Everything
     else is the SDK's: configuration, the HTTP client (retries, timeout, compression), the exporter's metrics.
-    ``export`` is the SDK's ``export`` with that encoder (its steps, logs and results), and is the SDK's own when
-    this SDK version lacks what it uses, when the request is too large (the SDK reports it), and after shutdown."""
+    ``export`` is the SDK's ``export`` (1.45) with that encoder: its steps, logs, metrics and results, a request
+    over ``max_request_size`` included. It is the SDK's own after shutdown and when this SDK version lacks what it
+    uses."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -615,20 +616,25 @@ class _OtlpSpanExporter(OTLPSpanExporter):
                 result.error = error
                 return SpanExportResult.FAILURE
             if _is_request_too_large(data, self._max_request_size):
-                too_large = True
-            else:
-                too_large = False
-                export_result = self._client.export(data)
-                if not export_result.success:
-                    result.error = export_result.error
-                    result.error_attrs = (
-                        {HTTP_RESPONSE_STATUS_CODE: export_result.status_code}
-                        if export_result.status_code is not None
-                        else None
-                    )
-                    return SpanExportResult.FAILURE
-        if too_large:
-            return super().export(spans)  # the SDK's encoding gives the same size: it drops the batch and says so
+                _logger.warning(
+                    "Dropping span batch: serialized size %d bytes exceeds max_request_size %d bytes.",
+                    len(data),
+                    self._max_request_size,
+                )
+                result.error = RequestPayloadTooLargeError(
+                    f"Serialized span request size {len(data)} bytes exceeds max_request_size "
+                    f"{self._max_request_size} bytes."
+                )
+                return SpanExportResult.FAILURE
+            export_result = self._client.export(data)
+            if not export_result.success:
+                result.error = export_result.error
+                result.error_attrs = (
+                    {HTTP_RESPONSE_STATUS_CODE: export_result.status_code}
+                    if export_result.status_code is not None
+                    else None
+                )
+                return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 
 

@@ -1460,3 +1460,18 @@ def test_own_provider_exports_with_the_direct_encoder(otel_env):
     assert type(exp._span_exporter.inner) is _OtlpSpanExporter and exp._span_exporter.inner._direct
     exp.shutdown(timeout_millis=2000)
     assert exp._span_exporter.inner.export([]) is SpanExportResult.FAILURE  # shut down: the SDK's answer
+
+    # A request over max_request_size is dropped before anything is sent, as the SDK's exporter drops it.
+    mem = InMemorySpanExporter()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=mem)
+    a = Req("a")
+    extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    exp.shutdown(timeout_millis=2000)
+    small = _OtlpSpanExporter(endpoint=f"http://127.0.0.1:{_free_port()}", max_request_size=10)
+    sent = []
+    small._client.export = lambda data: sent.append(data)
+    assert small.export(mem.get_finished_spans()) is SpanExportResult.FAILURE and sent == []
+    small.shutdown()
