@@ -380,7 +380,6 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         return self.counting.failed_exports
 
 
-
 # -- OTLP encoding ----------------------------------------------------------------------------------------------
 # The SDK's encoder (encode_spans) builds one protobuf message object per span, event, attribute and value before
 # serialising them: about 90 us of the batch processor's worker per request span of ours (5-6 events), CPU of the
