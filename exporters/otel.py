@@ -70,6 +70,16 @@ Threading and what is dropped when
   that). Any other sampler or limit: the SDK's spans, which apply them.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
+- What the sink reads (``event_types``; ``decode_allocs = False`` and ``free_ledgers = False``, see
+  ``instrumented_alloc/events.py``): no ``Alloc`` of a decode and no ``LedgerUpdate`` of a free, so that on its own
+  a free call builds no event and delivers no batch. A free moves only the request's current ledger values, which
+  matter for its next allocation alone (a retracted request's re-prefill is measured from them): the sink reads
+  them there from ``alloc.bus.skipped_frees``, which is why it must run on the wrapper's thread (behind a
+  ``NonBlockingSink`` it receives the frees' updates instead). The spans are the same either way.
+- Our own OTLP exporter (``_OtlpSpanExporter``) is the SDK's ``OTLPSpanExporter`` with its request body written
+  directly (``_encode_request``): byte for byte what the SDK's encoder serialises, for about a quarter of the
+  worker thread's CPU per span (the SDK builds a protobuf object per attribute and value first). Resources, scopes
+  and any attribute value other than str, bool, int64 and float still go through the SDK's encoder.
 
 Request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a random
 key): ``kv.request.id`` (of request and violation spans) and the request id inside ``kv.violation.message`` and the
@@ -89,8 +99,11 @@ exports are counted the same way).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import random
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -98,15 +111,28 @@ from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from instrumented_alloc import events as ev
+
+try:  # the SDK encoder's parts that _encode_request reuses, and the OTLP/HTTP exporter's size check
+    from opentelemetry.exporter.otlp.proto.common._internal import (
+        _encode_attributes,
+        _encode_instrumentation_scope,
+        _encode_resource,
+    )
+    from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError, _is_request_too_large
+except ImportError:  # another SDK version: _OtlpSpanExporter is then the SDK's exporter
+    _is_request_too_large = None
 from instrumented_alloc.redact import as_hasher
 
 __all__ = ["DEFAULT_SERVICE_NAME", "CountingBatchSpanProcessor", "CountingSpanExporter", "OtelExporter"]
@@ -135,6 +161,7 @@ _LEDGER_FIELDS = {
 }
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
+_NONES = itertools.repeat(None)  # slots not read: no skipped free to look up
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
 # The most attributes a span (11) or an event (8) of ours carries, with room: span limits below this (set by
 # OTEL_*_ATTRIBUTE_COUNT_LIMIT) are left to the SDK's spans to apply, so the fast path never needs to trim.
@@ -353,15 +380,275 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         return self.counting.failed_exports
 
 
+# -- OTLP encoding ----------------------------------------------------------------------------------------------
+# The SDK's encoder (encode_spans) builds one protobuf message object per span, event, attribute and value before
+# serialising them: about 90 us of the batch processor's worker per request span of ours (5-6 events), CPU of the
+# engine's process. _encode_request writes the same ExportTraceServiceRequest bytes directly (field by field, in
+# field-number order, as the serialiser does); resources and scopes, and any attribute value that is not a str,
+# bool, int in int64 range or float, are encoded by the SDK's own functions (the latter per value, so that what
+# the SDK does with them, a list or a value it refuses and logs, stays its own).
+def _varint(n: int) -> bytes:
+    """A non-negative int as a protobuf varint (a negative int64 is written as its 64-bit two's complement)."""
+    if n < 0:
+        n += 1 << 64
+    if n < 0x80:
+        return _BYTE[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_BYTE = [bytes((i,)) for i in range(256)]
+_SMALL_INT = [b"\x18" + bytes((i,)) for i in range(128)]  # AnyValue.int_value of 0..127
+_FIXED64 = struct.Struct("<Q").pack
+_DOUBLE = struct.Struct("<d").pack
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+# Span.kind values (opentelemetry/proto/trace/v1/trace.proto: SpanKind), as the SDK's encoder maps them.
+_KIND = {
+    SpanKind.INTERNAL: 1,
+    SpanKind.SERVER: 2,
+    SpanKind.CLIENT: 3,
+    SpanKind.PRODUCER: 4,
+    SpanKind.CONSUMER: 5,
+}
+_FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", 0x100)  # Span.flags (16, fixed32): CONTEXT_HAS_IS_REMOTE
+_FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)  # ... | CONTEXT_IS_REMOTE (a remote parent)
+
+
+def _len_field(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+class _KeyCache(dict):
+    """Attribute key -> its KeyValue.key field bytes (a few dozen keys in practice; cleared past 4096)."""
+
+    def __missing__(self, key: str) -> bytes:
+        if len(self) >= 4096:
+            self.clear()
+        b = self[key] = _len_field(b"\x0a", key.encode())
+        return b
+
+
+def _key_values(tag: bytes, attributes, keys: _KeyCache) -> list:
+    """The KeyValue fields (``tag``: the field's tag byte) of an attribute mapping, in its order, as the SDK's
+    ``_encode_attributes`` gives them (a value the SDK refuses is logged and left out by the SDK's own code)."""
+    out = []
+    if not attributes:
+        return out
+    byte, small = _BYTE, _SMALL_INT
+    for key, value in attributes.items():
+        t = type(value)
+        v = None
+        try:
+            if t is int:
+                if 0 <= value < 128:
+                    v = small[value]
+                elif _I64_MIN <= value <= _I64_MAX:
+                    v = b"\x18" + _varint(value)
+            elif t is str:
+                s = value.encode()
+                n = len(s)
+                v = b"\x0a" + (byte[n] if n < 128 else _varint(n)) + s
+            elif t is bool:
+                v = b"\x10\x01" if value else b"\x10\x00"
+            elif t is float:
+                v = b"\x21" + _DOUBLE(value)
+            if v is not None and type(key) is str:
+                n = len(v)
+                kv = keys[key] + b"\x12" + (byte[n] if n < 128 else _varint(n)) + v
+            else:
+                v = None
+        except UnicodeEncodeError:  # a lone surrogate: the SDK's protobuf refuses it
+            v = None
+        if v is None:
+            # Anything else (a sequence, bytes, a subclass, a value the SDK rejects): the SDK's own encoding.
+            encoded = _encode_attributes({key: value})
+            if not encoded:
+                continue
+            kv = encoded[0].SerializeToString()
+        n = len(kv)
+        out.append(tag + (byte[n] if n < 128 else _varint(n)) + kv)
+    return out
+
+
+def _status_bytes(status) -> bytes:
+    """Span.status (15): always present, as the SDK sets it (code 0 and no message: an empty message)."""
+    if status is None:
+        return b""
+    payload = b""
+    message = status.description
+    if message:
+        m = message.encode()
+        payload = b"\x12" + _varint(len(m)) + m
+    code = status.status_code.value
+    if code:
+        payload += b"\x18" + _varint(code)
+    return b"\x7a" + _varint(len(payload)) + payload
+
+
+def _span_bytes(span, keys: _KeyCache) -> bytes:
+    ctx = span.get_span_context()
+    parts = [b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"), b"\x12\x08" + ctx.span_id.to_bytes(8, "big")]
+    trace_state = ctx.trace_state
+    if trace_state:
+        ts = ",".join([f"{k}={v}" for k, v in trace_state.items()]).encode()
+        parts.append(b"\x1a" + _varint(len(ts)) + ts)
+    parent = span.parent
+    if parent:
+        parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
+    name = span.name.encode()
+    if name:
+        parts.append(b"\x2a" + _varint(len(name)) + name)
+    kind = _KIND[span.kind]
+    if kind:
+        parts.append(b"\x30" + _BYTE[kind])
+    if span.start_time:
+        parts.append(b"\x39" + _FIXED64(span.start_time))
+    if span.end_time:
+        parts.append(b"\x41" + _FIXED64(span.end_time))
+    # dropped_* are 0 unless the container is the SDK's bounded one (the properties' isinstance checks are ABC
+    # checks: a third of a small event's encoding); a plain dict or list, as our fast spans hold, drops nothing.
+    attributes = getattr(span, "_attributes", None)
+    parts += _key_values(b"\x4a", span.attributes, keys)
+    n = 0 if type(attributes) is dict else span.dropped_attributes
+    if n:
+        parts.append(b"\x50" + _varint(n))
+    for event in span.events:
+        ev_parts = []
+        if event.timestamp:
+            ev_parts.append(b"\x09" + _FIXED64(event.timestamp))
+        en = event.name.encode()
+        if en:
+            ev_parts.append(b"\x12" + _varint(len(en)) + en)
+        attributes = event.attributes
+        ev_parts += _key_values(b"\x1a", attributes, keys)
+        n = 0 if type(attributes) is dict else event.dropped_attributes
+        if n:
+            ev_parts.append(b"\x20" + _varint(n))
+        payload = b"".join(ev_parts)
+        parts.append(b"\x5a" + _varint(len(payload)) + payload)
+    n = 0 if type(getattr(span, "_events", None)) is list else span.dropped_events
+    if n:
+        parts.append(b"\x60" + _varint(n))
+    links = span.links
+    if links:
+        # Links (none of ours have any): the SDK's encoding of the span, its links field taken as they are.
+        for link in encode_spans([span]).resource_spans[0].scope_spans[0].spans[0].links:
+            lb = link.SerializeToString()
+            parts.append(b"\x6a" + _varint(len(lb)) + lb)
+    n = 0 if type(getattr(span, "_links", None)) is tuple else span.dropped_links
+    if n:
+        parts.append(b"\x70" + _varint(n))
+    parts.append(_status_bytes(span.status))
+    parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
+    return b"".join(parts)
+
+
+def _encode_request(spans, keys: _KeyCache, cache: dict) -> bytes:
+    """``encode_spans(spans).SerializePartialToString()``, written directly (see above). ``cache``: encoded
+    resources and scopes by object (bounded by the caller)."""
+    grouped: dict = {}
+    first = spans[0] if spans else None
+    if first is not None and all(
+        s.resource is first.resource and s.instrumentation_scope is first.instrumentation_scope for s in spans
+    ):
+        # The usual batch: one resource object, one scope object (ours). The SDK groups by equality, which hashes
+        # the resource per span (a JSON dump of its attributes); one object is one group all the same.
+        grouped[first.resource] = {first.instrumentation_scope or None: [_span_bytes(s, keys) for s in spans]}
+    else:
+        for span in spans:
+            scope = span.instrumentation_scope or None
+            grouped.setdefault(span.resource, {}).setdefault(scope, []).append(_span_bytes(span, keys))
+    out = []
+    for resource, scopes in grouped.items():
+        rs = []
+        r = cache.get(("r", resource))
+        if r is None:
+            r = cache[("r", resource)] = _len_field(b"\x0a", _encode_resource(resource).SerializeToString())
+        rs.append(r)
+        for scope, span_bytes in scopes.items():
+            s = cache.get(("s", scope))
+            if s is None:
+                s = cache[("s", scope)] = _len_field(b"\x0a", _encode_instrumentation_scope(scope).SerializeToString())
+            ss = [s]
+            ss += [b"\x12" + _varint(len(b)) + b for b in span_bytes]
+            if scope is not None and scope.schema_url:
+                ss.append(_len_field(b"\x1a", scope.schema_url.encode()))
+            rs.append(_len_field(b"\x12", b"".join(ss)))
+        if resource.schema_url:
+            rs.append(_len_field(b"\x1a", resource.schema_url.encode()))
+        out.append(_len_field(b"\x0a", b"".join(rs)))
+    return b"".join(out)
+
+
+class _OtlpSpanExporter(OTLPSpanExporter):
+    """``OTLPSpanExporter`` (OTLP/HTTP, protobuf) whose request body is ``_encode_request``'s: the same bytes as the
+    SDK's ``encode_spans(spans).SerializePartialToString()`` for a fraction of the worker thread's CPU. Everything
+    else is the SDK's: configuration, the HTTP client (retries, timeout, compression), the exporter's metrics.
+    ``export`` is the SDK's ``export`` (1.45) with that encoder: its steps, logs, metrics and results, a request
+    over ``max_request_size`` included. It is the SDK's own after shutdown and when this SDK version lacks what it
+    uses."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._keys = _KeyCache()
+        self._encoded: dict = {}
+        self._direct = _is_request_too_large is not None and all(
+            hasattr(self, n) for n in ("_metrics", "_client", "_max_request_size", "_shutdown")
+        )
+
+    def export(self, spans) -> SpanExportResult:
+        if not self._direct or self._shutdown:
+            return super().export(spans)
+        with self._metrics.export_operation(len(spans)) as result:
+            try:
+                if len(self._encoded) > 64:  # resources and scopes: one or two in practice
+                    self._encoded.clear()
+                data = _encode_request(spans, self._keys, self._encoded)
+            except Exception as error:
+                _logger.error("Failed to encode span batch: %s", error)
+                result.error = error
+                return SpanExportResult.FAILURE
+            if _is_request_too_large(data, self._max_request_size):
+                _logger.warning(
+                    "Dropping span batch: serialized size %d bytes exceeds max_request_size %d bytes.",
+                    len(data),
+                    self._max_request_size,
+                )
+                result.error = RequestPayloadTooLargeError(
+                    f"Serialized span request size {len(data)} bytes exceeds max_request_size "
+                    f"{self._max_request_size} bytes."
+                )
+                return SpanExportResult.FAILURE
+            export_result = self._client.export(data)
+            if not export_result.success:
+                result.error = export_result.error
+                result.error_attrs = (
+                    {HTTP_RESPONSE_STATUS_CODE: export_result.status_code}
+                    if export_result.status_code is not None
+                    else None
+                )
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+
 class _FastTracer:
     """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
 
-    __slots__ = ("ids", "processor", "provider", "resource", "scope")
+    __slots__ = ("ids", "processor", "provider", "rand", "resource", "scope")
 
     def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
         self.provider = provider
         self.resource = provider.resource
         self.ids = provider.id_generator
+        # The SDK's RandomIdGenerator draws random.getrandbits(128) / (64) until non-zero: _FastReq draws the same
+        # itself (two Python calls less per request). Any other generator is called.
+        self.rand = random.getrandbits if type(self.ids) is RandomIdGenerator else None
         self.processor = processor
         # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
         self.scope = InstrumentationScope(TRACER_NAME, "", None, None)
@@ -371,6 +658,7 @@ class _FastTracer:
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_INTERNAL = SpanKind.INTERNAL
 _TRACE_ID_MAX = 2**128 - 1
 _SPAN_ID_MAX = 2**64 - 1
 _UNSET = Status(StatusCode.UNSET)
@@ -555,6 +843,7 @@ class _Req:
         "decode_steps",
         "dropped",
         "evicted",
+        "mark",
         "n_events",
         "span",
         "violations",
@@ -567,6 +856,8 @@ class _Req:
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        # seq of the latest event that set cur_*: a free skipped after it (bus.skipped_frees) moved them since.
+        self.mark = 0
 
     def add_event(self, name: str, attrs: dict) -> None:
         self.span.add_event(name, attrs)
@@ -619,12 +910,23 @@ class _FastReq(_Req):
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
-        ids = tracer.ids
+        # seq of the latest event that set cur_*: a free skipped after it (bus.skipped_frees) moved them since.
+        self.mark = 0
         self.tracer = tracer
         self.id_attr = id_attr
         self.page_size = page_size
-        tid = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
-        sid = ids.generate_span_id()
+        rand = tracer.rand
+        if rand is not None:  # RandomIdGenerator's two calls, inlined (the same draws, in the same order)
+            tid = rand(128)
+            while not tid:
+                tid = rand(128)
+            sid = rand(64)
+            while not sid:
+                sid = rand(64)
+        else:
+            ids = tracer.ids
+            tid = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
+            sid = ids.generate_span_id()
         # What SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED) builds (see _FastSpan.get_span_context).
         valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
         self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
@@ -642,9 +944,41 @@ class _FastReq(_Req):
         return self.ctx
 
     def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        # finish(held, peak), inlined: once per request. The release event and the span's end share one clock read
+        # (the same moment: the release ends the span).
+        now = time.time_ns()
+        events = self.events
         if attrs is not None:
-            self.events.append(_make_event(EV_RELEASE, attrs, time.time_ns()))
-        self.finish(held, peak)
+            events.append(_make_event(EV_RELEASE, attrs, now))
+        tracer = self.tracer
+        tracer.processor.admit(
+            _make_readable(
+                SPAN_REQUEST,
+                self.ctx,
+                None,
+                tracer.resource,
+                {
+                    "kv.request.id": self.id_attr,
+                    "kv.page_size": self.page_size,
+                    "kv.allocated_len": self.allocated,
+                    "kv.committed_len": self.committed,
+                    "kv.swa_evicted_seqlen": self.evicted,
+                    "kv.violations": self.violations,
+                    "kv.decode_steps": self.decode_steps,
+                    "kv.events_dropped": self.dropped,
+                    "kv.pages.peak": peak,
+                    "kv.pages.held_at_release": held,
+                },
+                events,
+                (),
+                _INTERNAL,
+                None,
+                self.status,
+                self.start_time,
+                now,
+                tracer.scope,
+            )
+        )
         return self.ctx
 
     def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
@@ -708,6 +1042,10 @@ class OtelExporter:
     # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
     # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
     decode_allocs = False
+    # A free's LedgerUpdate only moves the current values (cur_*), which matter for the request's next allocation
+    # alone: the wrapper keeps them in bus.skipped_frees instead, read at that allocation (this sink runs on the
+    # wrapper's thread, as that requires), and a free call delivers no batch to us.
+    free_ledgers = False
 
     def __init__(
         self,
@@ -743,6 +1081,7 @@ class OtelExporter:
         self._id_attr = _attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
         self._ledger = alloc.ledger
+        self._skipped_frees = alloc.bus.skipped_frees
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
@@ -796,7 +1135,7 @@ class OtelExporter:
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
         if span_exporter is None:
-            span_exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
+            span_exporter = _OtlpSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
         self._span_exporter = (
             span_exporter if isinstance(span_exporter, CountingSpanExporter) else CountingSpanExporter(span_exporter)
         )
@@ -982,14 +1321,17 @@ class OtelExporter:
                 # Frees: a request torn down before its release keeps its last allocated record on the span; only
                 # the current values move (a retracted request's next prefill is measured from them).
                 get = self._open.get
+                seq = e.seq
                 for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
                     r = get(rid)
                     if r is not None:
                         r.cur_allocated, r.cur_committed = a, c
+                        r.mark = seq
                 return
         alloc, comm = e.allocated.tolist(), e.committed.tolist()
         if op in DECODE_OPS:
             get = self._open.get
+            seq = e.seq
             # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
             # here, not per Alloc event; the decodes after it fold.
             for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
@@ -1002,20 +1344,31 @@ class OtelExporter:
                 r.committed = r.cur_committed = c
                 r.evicted = v
                 r.decode_steps += 1
+                r.mark = seq
             self._dec = [e.rids, e, 0]
             self._dec_version = self._open_version
             return
         pending = self._pending
         get = self._open.get
-        for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
+        seq = e.seq
+        skipped = self._skipped_frees
+        for rid, a, c, v, slot in zip(e.rids, alloc, comm, e.evicted.tolist(), e.slots.tolist() if skipped else _NONES):
             if rid is None:
                 continue
             r = get(rid)
             if r is None:
                 r = self._start(rid)
+            if skipped:
+                # A free since the record's latest update whose LedgerUpdate was not built (free_ledgers = False):
+                # the values it left are what this allocation's share is measured from, as its update would have
+                # set them. Before this update only (mark < seq): a free later in the same call is not yet.
+                f = skipped.get(slot)
+                if f is not None and r.mark <= f[0] < seq:
+                    r.cur_allocated, r.cur_committed = f[1], f[2]
             pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed, r)
             r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
+            r.mark = seq
 
     def _flush_decode(self) -> None:
         """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it."""
@@ -1024,6 +1377,7 @@ class OtelExporter:
             return
         _, e, n = d
         get = self._open.get
+        seq = e.seq
         for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
             r = get(rid)
             if r is None:
@@ -1032,6 +1386,7 @@ class OtelExporter:
             r.committed = r.cur_committed = c
             r.evicted = v
             r.decode_steps += n
+            r.mark = seq
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids
@@ -1088,6 +1443,7 @@ class OtelExporter:
         setattr(r, column, e.new)
         if column != "evicted":
             setattr(r, "cur_" + column, e.new)
+            r.mark = e.seq
 
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:

@@ -27,6 +27,17 @@ Contract:
   (``EventBus.wants_decode_allocs``); every other ``Alloc`` is built as before, and ``seq`` stays gap-free as
   above. Absent (or anything but False): the sink reads them. A sink still ignores any it receives because
   another sink asked for them.
+- A sink that reads ``LedgerUpdate`` may also declare ``free_ledgers = False``: it reads no ``LedgerUpdate`` of a
+  free (an update whose ``op`` does not start with ``alloc``: most of them in a run of short requests, one per
+  free call, and each its own batch). While no other sink reads them (``EventBus.wants_free_ledgers``) the wrapper
+  builds none; instead it keeps what each would have carried in ``EventBus.skipped_frees``: request slot ->
+  ``(mark, allocated, committed)``, the slot's ledger values as the latest such free left them, ``mark`` being the
+  allocator's ``seq`` at that free (the ``seq`` of the last event built before it: a ``LedgerUpdate`` of that slot
+  with ``seq <= mark`` came before the free, one with ``seq > mark`` after it). An entry lives until the request's
+  release (the slot may then be reused). Read it only while handling a batch, on the wrapper's thread: a sink
+  behind a ``NonBlockingSink`` reads the dict later than its events, so that wrapper does not forward the
+  declaration (the sink then receives free updates). Absent (or anything but False): the sink reads them; the
+  dict is then not written (entries left from before stay, older than every later update).
 - An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
   copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
   block, shared by that block's ``LedgerUpdate``s and page deltas). Sinks must not write into them either.
@@ -266,6 +277,10 @@ class EventBus:
         self.active = False
         self._wanted: frozenset | None = frozenset()
         self._want_decode_allocs = False
+        # Written by the wrapper while wants_free_ledgers is False (see the module docstring); plain attributes, read
+        # by the wrapper on every free.
+        self.want_free_ledgers = False
+        self.skipped_frees: dict[int, tuple[int, int, int]] = {}
         # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
         # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
         self.on_change: Callable[[], None] | None = None
@@ -296,6 +311,11 @@ class EventBus:
             and (getattr(s, "event_types", None) is None or Alloc in s.event_types)
             for s in self._sinks
         )
+        self.want_free_ledgers = any(
+            getattr(s, "free_ledgers", True) is not False
+            and (getattr(s, "event_types", None) is None or LedgerUpdate in s.event_types)
+            for s in self._sinks
+        )
         if self.on_change is not None:
             self.on_change()
 
@@ -307,6 +327,12 @@ class EventBus:
         """Whether some sink reads the ``Alloc`` events of ``alloc_decode`` (one that reads ``Alloc`` and does not
         declare ``decode_allocs = False``). Implies ``wants(Alloc)``."""
         return self._want_decode_allocs
+
+    def wants_free_ledgers(self) -> bool:
+        """Whether some sink reads the ``LedgerUpdate`` events of frees (one that reads ``LedgerUpdate`` and does
+        not declare ``free_ledgers = False``). When False while ``wants(LedgerUpdate)``, the wrapper keeps
+        ``skipped_frees`` instead of building them."""
+        return self.want_free_ledgers
 
     def add_loss_counter(self, name: str, counter: Callable[[], int]) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a

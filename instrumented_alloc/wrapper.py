@@ -2066,6 +2066,9 @@ class InstrumentedAllocator:
         if st.want_released:
             st.seq = seq = st.seq + 1
             st.events.append(_B_RELEASED(seq, st.clock(), st.step, rid, total, peak))
+        skipped = st.bus.skipped_frees
+        if skipped:  # the slot may be reused after the release (see events.py)
+            skipped.pop(slot, None)
         led.release(rid, leaked=total > 0)
         led.tainted.discard(slot)
 
@@ -2305,6 +2308,16 @@ class InstrumentedAllocator:
         st = self._w_st
         if st.want_ledger and slots.size:
             led = st.ledger
+            bus = st.bus
+            if not bus.want_free_ledgers and not op.startswith("alloc"):
+                # A free's update that no sink reads (free_ledgers = False, see events.py): what it would carry,
+                # kept per slot in the bus until the request's release. No event, so a free call alone delivers
+                # no batch.
+                skipped, mark = bus.skipped_frees, st.seq
+                allocated, committed = led.allocated, led.committed
+                for x in slots.tolist():
+                    skipped[x] = (mark, allocated.item(x), committed.item(x))
+                return
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_LEDGER(

@@ -1051,8 +1051,8 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
 def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
     the same object; steps between them: events this sink does not read) are folded into one pending update, the
-    first decode too when every span is open; a decode of a different batch or the frees before a release (ledger
-    updates this sink reads) apply it first.
+    first decode too when every span is open; a decode of a different batch or a release applies it first (the
+    frees before a release build no event for this sink: ``free_ledgers = False``).
     The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
     the slots of whole pages reserved, page size 4)."""
     provider, mem = memory
@@ -1071,8 +1071,9 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
         w.step()
     assert exp._dec[2] == 2
     w.free(t(a.row))
-    assert exp._dec is None
+    assert exp._dec[2] == 2  # nothing delivered to this sink
     w.release_request("a")
+    assert exp._dec is None
     w.free(t(b.row))
     w.release_request("b")
     spans = request_spans(mem)
@@ -1252,3 +1253,225 @@ def test_fast_request_record_gives_the_sdk_spans_attributes_in_their_order(memor
     assert fast == sdk and len(fast) == 2
     assert [k for k, _ in fast[1][1]][:3] == ["kv.request.id", "kv.page_size", "kv.open_at_shutdown"]
     assert dict(fast[0][1])["kv.decode_steps"] == 2 and dict(fast[0][1])["kv.pages.held_at_release"] == 0
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_they_are(verify):
+    """The exporter declares ``free_ledgers = False``: alone, the wrapper builds no LedgerUpdate of a free for it
+    (a free call delivers nothing) and keeps the values each would have carried in ``bus.skipped_frees`` until the
+    release; the exporter measures a request's next allocation from them. With a sink that reads every event, it
+    receives the frees' updates instead. The spans are the same either way, attribute for attribute, event for
+    event: a retracted request's re-prefill, a partial free followed by a decode (the free's values are older than
+    the decode's: not used) and by an extend (used), in immediate and deferred verification."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+                self.free_ledgers = OtelExporter.free_ledgers
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        mem = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        w = InstrumentedAllocator(
+            PagedTokenToKVPoolAllocator(128, PS, torch.float16, "cpu"), mode="record", verify=verify, sinks=extra
+        )
+        OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)
+        w.subscribe(seen)
+        # Two requests per allocation: a share measured from the wrong values makes the shares miss the call's
+        # total, and the event then carries the batch's figures instead of the request's.
+        a, b, c = Req("a"), Req("b"), Req("c")
+        extend(w, [a, b, c], [5, 7, 6])
+        for _ in range(2):
+            decode(w, [a, b, c])
+            w.step()
+        w.free(t(a.row))  # retract a: all its KV freed, not released
+        w.step()
+        a.row = []
+        extend(w, [a, c], [6, 2])  # a's re-prefill: 6 slots, measured from the free's values (0)
+        w.free(t(b.row[8:]))  # b's last page (slot 8): its record shrinks to 8
+        w.step()
+        b.row = b.row[:8]
+        decode(w, [b])  # newer than the free: b's next extend is measured from this decode (9)
+        extend(w, [b, c], [3, 1])
+        w.step()
+        w.free(t(b.row[8:]))  # back to 8 tokens, then an extend measured from the free
+        w.step()
+        b.row = b.row[:8]
+        extend(w, [b, c], [2, 1])
+        w.step()
+        skipped_live = dict(w.bus.skipped_frees)
+        for r in (a, b, c):
+            w.free(t(r.row))
+            w.step()
+            w.release_request(r.rid)
+        w.step()
+        assert not w.violations
+        assert w.bus.skipped_frees == {}  # each entry dropped at its request's release
+        spans = request_spans(mem)
+        provider.shutdown()
+        free_updates = [e for e in seen.events if type(e) is ev.LedgerUpdate and not e.op.startswith("alloc")]
+        return spans, free_updates, skipped_live
+
+    alone, none_built, skipped = run([])
+    with_keeper, built, none_kept = run([Keep()])
+    assert none_built == [] and len(built) == 6
+    assert len(skipped) == 2 and none_kept == {}  # a's and b's slots, until their release
+    assert alone.keys() == with_keeper.keys() == {"a", "b", "c"}
+    for rid in alone:
+        x, y = alone[rid], with_keeper[rid]
+        assert list(x.attributes.items()) == list(y.attributes.items())
+        assert [(e.name, list(e.attributes.items())) for e in x.events] == [
+            (e.name, list(e.attributes.items())) for e in y.events
+        ]
+    assert [e["kv.n_slots"] for _, e in events(alone["a"], "kv.prefill")] == [5, 6]
+    assert [e["kv.n_slots"] for _, e in events(alone["b"], "kv.prefill")] == [7, 3, 2]
+    assert [e["kv.n_slots"] for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 1, 1]
+
+
+# -- 6. the OTLP request encoder ---------------------------------------------------------------------------------
+def _sdk_request_bytes(spans) -> bytes:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans(spans).SerializePartialToString()
+
+
+def test_encoder_writes_the_sdks_request_bytes_for_our_spans(otel_env):
+    """``_encode_request`` (what our own OTLP exporter sends) gives byte for byte the SDK encoder's request for
+    the fast path's spans: request spans with every event kind, ERROR statuses, hashed ids, violation spans with
+    and without a parent, spans left open at shutdown; in one batch and one span at a time."""
+    from exporters.otel import _encode_request, _KeyCache
+
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    exp = OtelExporter(w, span_exporter=mem, hash_request_ids=b"k" * 16)
+    _equivalence_scenario(w, exp)
+    exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    assert len(spans) >= 8 and {s.name for s in spans} == {"kv.request", "kv.violation"}
+    keys, cache = _KeyCache(), {}
+    assert _encode_request(spans, keys, cache) == _sdk_request_bytes(spans)
+    for s in spans:
+        assert _encode_request([s], keys, cache) == _sdk_request_bytes([s])
+    assert _encode_request([], keys, cache) == _sdk_request_bytes([]) == b""
+
+
+def test_encoder_writes_the_sdks_request_bytes_for_any_sdk_span():
+    """Spans of the SDK itself (a provider passed in): every attribute value type (and those the SDK encodes or
+    refuses its own way: lists, None, bytes, an int beyond int64, a lone surrogate), limits that drop attributes
+    and events, links, a remote parent with a trace state, several resources and scopes interleaved, equal
+    resources in distinct objects. Byte for byte the SDK encoder's request."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        SpanContext,
+        Status,
+        TraceFlags,
+        TraceState,
+        set_span_in_context,
+    )
+
+    from exporters.otel import _encode_request, _KeyCache
+
+    mem = InMemorySpanExporter()
+    providers = [
+        TracerProvider(
+            resource=Resource({"service.name": "x", "n": 1}),
+            span_limits=SpanLimits(max_span_attributes=6, max_event_attributes=2),
+        ),
+        TracerProvider(
+            resource=Resource({"service.name": "y"}, schema_url="https://s/1"), span_limits=SpanLimits(max_events=1)
+        ),
+        TracerProvider(resource=Resource({"service.name": "x", "n": 1})),  # equal to the first, another object
+    ]
+    for p in providers:
+        p.add_span_processor(SimpleSpanProcessor(mem))
+    values = {
+        "s": "text",
+        "empty": "",
+        "uni": "ünï ✓",
+        "long": "x" * 300,
+        "t": True,
+        "f": False,
+        "zero": 0,
+        "small": 127,
+        "mid": 128,
+        "big": 2**62,
+        "neg": -5,
+        "minus_big": -(2**63),
+        "float": 1.5,
+        "nan": float("nan"),
+        "negzero": -0.0,
+        "list": [1, 2, 3],
+        "strs": ("a", "b"),
+        "bools": [True, False],
+    }
+    remote = SpanContext(7, 8, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    for i, p in enumerate(providers * 2):
+        tracer = p.get_tracer(f"scope{i % 2}", "1.0" if i % 2 else "", schema_url="https://scope" if i % 2 else None)
+        ctx = set_span_in_context(NonRecordingSpan(remote)) if i == 3 else None
+        span = tracer.start_span(
+            f"span{i}", context=ctx, links=[Link(remote, {"l": 1})] if i == 4 else (), attributes={"i": i}
+        )
+        for k, v in values.items():
+            span.set_attribute(k, v)
+        span.add_event("e", {"a": 1, "b": "two", "c": [1.0]}, timestamp=1234567890123456789)
+        span.add_event("", {})
+        if i == 1:
+            span.set_status(Status(StatusCode.ERROR, "bad ✗"))
+        elif i == 2:
+            span.set_status(Status(StatusCode.OK))
+        span.end()
+    # Values the SDK's span refuses at set_attribute, put into a ReadableSpan's attributes directly: the encoder
+    # must do what the SDK's encoder does with them (encode None as an empty value, refuse the others and log).
+    odd = mem.get_finished_spans()[0]
+    odd._attributes = {"none": None, "bytes": b"\x00\x01", "huge": 2**64, "surrogate": "\ud800", 5: "int key"}
+    spans = mem.get_finished_spans()
+    assert len(spans) == 6 and spans[3].dropped_attributes > 0 and spans[3].events[0].dropped_attributes == 1
+    assert spans[1].dropped_events == 1
+    assert _encode_request(spans, _KeyCache(), {}) == _sdk_request_bytes(spans)
+    for s in spans:
+        assert _encode_request([s], _KeyCache(), {}) == _sdk_request_bytes([s])
+    for p in providers:
+        p.shutdown()
+
+
+def test_own_provider_exports_with_the_direct_encoder(otel_env):
+    """Our own provider's OTLP exporter is ``_OtlpSpanExporter``: it posts ``_encode_request``'s body (checked
+    end to end against a receiver in test_otlp_http_end_to_end); after its shutdown it is the SDK's export."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from exporters.otel import _OtlpSpanExporter
+
+    w = paged()
+    exp = OtelExporter(w, endpoint=f"http://127.0.0.1:{_free_port()}")
+    assert type(exp._span_exporter.inner) is _OtlpSpanExporter and exp._span_exporter.inner._direct
+    exp.shutdown(timeout_millis=2000)
+    assert exp._span_exporter.inner.export([]) is SpanExportResult.FAILURE  # shut down: the SDK's answer
+
+    # A request over max_request_size is dropped before anything is sent, as the SDK's exporter drops it.
+    mem = InMemorySpanExporter()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=mem)
+    a = Req("a")
+    extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    exp.shutdown(timeout_millis=2000)
+    small = _OtlpSpanExporter(endpoint=f"http://127.0.0.1:{_free_port()}", max_request_size=10)
+    sent = []
+    small._client.export = lambda data: sent.append(data)
+    assert small.export(mem.get_finished_spans()) is SpanExportResult.FAILURE and sent == []
+    small.shutdown()
