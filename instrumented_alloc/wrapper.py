@@ -25,10 +25,12 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import dis
 import inspect
 import operator
 import threading
 import time
+import types
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
@@ -112,10 +114,10 @@ _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inn
 
 
 class _CallState:
-    """What the per-call paths read and write, on a plain slotted object: the wrapper's own attributes are slow to
-    read (its class defines ``__getattr__`` to forward, which keeps CPython 3.11 from specialising attribute
-    loads on it: about 4x a slot's cost, per read and per method lookup) and slower to assign (the forwarding
-    ``__setattr__``). The hot paths fetch this object once per call and read everything else from it.
+    """What the per-call paths read and write, on a plain slotted object: a slot is the cheapest attribute there
+    is to read and to assign, while the wrapper's own attributes live in an instance dict of 30-50 names (past
+    the size CPython 3.11 keeps inline, so a read is a hashed lookup) and assigning one goes through the
+    forwarding ``__setattr__``. The hot paths fetch this object once per call and read everything else from it.
 
     Three kinds of fields:
     - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
@@ -323,27 +325,99 @@ def _forward_method(name: str):
     return method
 
 
-def _forward_property(name: str):
-    return property(
-        lambda self: getattr(self._w_inner, name),
-        lambda self, value: setattr(self._w_inner, name, value),
-    )
+def _forward_property(name: str) -> property:
+    """A data descriptor forwarding ``name`` to the inner allocator, read and write. The read is a C getter
+    (``attrgetter``): no Python frame per read; a name the inner lacks raises the inner's own ``AttributeError``
+    (naming the inner's type), so ``hasattr`` and ``getattr(w, name, default)`` answer as for the bare allocator."""
+
+    def set_inner(self, value) -> None:
+        setattr(self._w_inner, name, value)
+
+    def del_inner(self) -> None:
+        delattr(self._w_inner, name)
+
+    return property(operator.attrgetter(f"_w_inner.{name}"), set_inner, del_inner, doc=f"The inner's ``{name}``.")
 
 
-_SUBCLASSES: dict[type, type] = {}
+def _stored_names(cls: type) -> set[str]:
+    """Every attribute name the code of ``cls`` and its bases stores with ``x.name = ...`` (``STORE_ATTR``): the
+    instance attributes its methods may create after construction (``clear()``, lazily). A superset (it also
+    holds names stored on other objects): a forwarding property for a name the inner lacks answers as the inner
+    does (``AttributeError``), so an extra name costs nothing but a ``dir()`` entry."""
+    names: set[str] = set()
+    seen: set = set()
+
+    def scan(code) -> None:
+        if code in seen:
+            return
+        seen.add(code)
+        for ins in dis.get_instructions(code):
+            if ins.opname == "STORE_ATTR":
+                names.add(ins.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                scan(const)
+
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for value in vars(klass).values():
+            parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+            for part in parts:
+                part = getattr(part, "__func__", part)  # staticmethod, classmethod
+                part = getattr(part, "func", part)  # functools.cached_property, partialmethod
+                try:
+                    part = inspect.unwrap(part)
+                except ValueError:  # a __wrapped__ cycle
+                    continue
+                code = getattr(part, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    scan(code)
+    return names
 
 
-def _subclass_for(cls: type) -> type:
-    sub = _SUBCLASSES.get(cls)
+def _is_own(name: str, base: type) -> bool:
+    """A name the wrapper keeps for itself (never forwarded): its private ``_w_*`` state, its public instance
+    attributes, dunders, and every name the classes of ``base`` (``InstrumentedAllocator`` or a subclass of it)
+    define."""
+    if name.startswith("_w_") or name in _OWN_ATTRS or (name.startswith("__") and name.endswith("__")):
+        return True
+    return any(name in vars(klass) for klass in base.__mro__)
+
+
+def _instance_names(inner) -> tuple:
+    """The names in the inner's instance ``__dict__`` (none for a class with only slots: those are class
+    attributes, forwarded with the class's)."""
+    d = getattr(inner, "__dict__", None)
+    return tuple(d) if isinstance(d, dict) else ()
+
+
+# (wrapper class, inner class) -> the generated class (see _subclass_for).
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _forward_names(sub: type, names) -> None:
+    """Give the generated class ``sub`` a forwarding property for each of ``names`` it does not answer yet.
+    Cold: construction, ``clear()``, ``resize()`` and the first assignment of a new name through the wrapper
+    (changing a class resets the interpreter's lookup caches for it)."""
+    base = sub._w_base
+    for name in names:
+        if type(name) is str and name not in sub.__dict__ and not _is_own(name, base):
+            setattr(sub, name, _forward_property(name))
+
+
+def _subclass_for(cls: type, base: type) -> type:
+    """The generated subclass of ``(base, cls)`` for inner class ``cls`` (one per pair, cached; ``base`` is
+    ``InstrumentedAllocator`` or a subclass of it): every name of ``cls`` the wrapper does not define forwards to
+    the inner (methods through a forwarding method, anything else through a forwarding property), and so does
+    every name the code of ``cls`` stores as an attribute (``_stored_names``); ``_Missing`` hides the
+    instrumented methods ``cls`` lacks."""
+    sub = _SUBCLASSES.get((base, cls))
     if sub is not None:
         return sub
-    own = set()
-    for klass in InstrumentedAllocator.__mro__:
-        if klass is not object:
-            own.update(klass.__dict__)
-    ns: dict = {"__module__": __name__, "__doc__": InstrumentedAllocator.__doc__}
+    ns: dict = {"__module__": base.__module__, "__doc__": base.__doc__, "_w_base": base}
     for name in dir(cls):
-        if (name.startswith("__") and name.endswith("__")) or name in own:
+        if _is_own(name, base):
             continue
         attr = inspect.getattr_static(cls, name)
         if isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr):
@@ -353,19 +427,48 @@ def _subclass_for(cls: type) -> type:
     for name in INSTRUMENTED_OPS:
         if not hasattr(cls, name):
             ns[name] = _Missing(name)
-    sub = type(f"Instrumented{cls.__name__}", (InstrumentedAllocator, cls), ns)
-    _SUBCLASSES[cls] = sub
+    sub = type(f"Instrumented{cls.__name__}", (base, cls), ns)
+    _forward_names(sub, _stored_names(cls))
+    _SUBCLASSES[(base, cls)] = sub
     return sub
 
 
 class InstrumentedAllocator:
-    """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts."""
+    """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts.
+
+    Forwarding (the class defines no ``__getattr__``: on CPython 3.11 one turns off the interpreter's
+    specialised attribute lookups on every instance, the engine's ``alloc.alloc_decode`` and the wrapper's own
+    ``self.x`` alike). ``InstrumentedAllocator(inner)`` is an instance of a class generated once per inner class
+    (``Instrumented<InnerClass>``, a subclass of ``InstrumentedAllocator`` and of ``type(inner)``) on which every
+    forwarded name is a class attribute:
+    - the inner class's methods (those the wrapper does not instrument) call the inner's, looked up at call time
+      (an instance attribute of the inner shadowing a method is honoured);
+    - every other name forwards through a property that reads and writes the inner's attribute: the inner
+      class's attributes and properties, the inner's instance attributes at wrap time, every name the inner
+      class's code assigns as an attribute anywhere (``self.x = ...`` in ``clear()``, in a lazy path: found in
+      its bytecode), and every name first assigned through the wrapper (the write lands on the inner, and the
+      property is added to the class then). A forwarded name the inner lacks raises the inner's own
+      ``AttributeError`` (naming the inner's class), so ``hasattr`` answers as for the bare allocator; a name
+      nothing forwards raises the generated class's (named ``Instrumented<InnerClass>``).
+    - ``clear()`` and ``resize()`` through the wrapper forward whatever new instance attributes the inner has
+      then.
+    Not forwarded: an attribute that only code outside the inner class creates directly on the inner object (not
+    through the wrapper) after wrapping, under a name its class's code never assigns (e.g. ``setattr`` with a
+    computed name), until the next ``clear()``/``resize()`` through the wrapper; read it from ``inner``. The
+    wrapper's own names (``_w_*``, ``ledger``, ``violations``, ``violation_counts``, ``mode``, ``inner``,
+    ``trace_id_for``, ``bus`` and everything this class defines) are never forwarded: they win over the inner's.
+    Adding a name to a generated class is cold (construction, ``clear``, ``resize``, a new name's first write)
+    and shared by the wrappers of that inner class: a property for a name one inner lacks answers as that inner
+    does (``AttributeError``)."""
+
+    # The class the generated classes are made from (see _subclass_for); set on each generated class.
+    _w_base = None
 
     def __new__(cls, inner=None, **kwargs):
-        if cls is InstrumentedAllocator:
+        if cls._w_base is None:  # InstrumentedAllocator itself (or a subclass of it): make the generated class
             if inner is None:
                 raise TypeError("InstrumentedAllocator(inner, ...): inner is required")
-            cls = _subclass_for(type(inner))
+            cls = _subclass_for(type(inner), cls)
         return object.__new__(cls)
 
     def __init__(
@@ -388,6 +491,8 @@ class InstrumentedAllocator:
             check_int("sliding_window", sliding_window, minimum=1)
         s = object.__setattr__
         s(self, "_w_inner", inner)
+        # The inner's instance attributes as they are now (its class's are forwarded already: see _subclass_for).
+        _forward_names(type(self), _instance_names(inner))
         s(self, "inner", inner)
         s(self, "mode", mode)
         s(self, "_w_off", mode == "off")
@@ -504,14 +609,9 @@ class InstrumentedAllocator:
         self._w_tls.bound = value
 
     # -- attribute forwarding ---------------------------------------------------------------------------------
-    def __getattr__(self, name):
-        # Only reached when normal lookup fails: the inner allocator's instance attributes.
-        try:
-            inner = object.__getattribute__(self, "_w_inner")
-        except AttributeError:
-            raise AttributeError(name) from None
-        return getattr(inner, name)
-
+    # No __getattr__: on CPython 3.11 a class with one gets none of the interpreter's specialised attribute
+    # lookups (every ``alloc.x`` by the engine and every ``self.x`` here would pay a generic lookup). The inner's
+    # attributes are forwarded by properties on the generated class instead (see the class docstring).
     def __setattr__(self, name, value):
         if name.startswith("_w_") or name in _OWN_ATTRS:
             object.__setattr__(self, name, value)
@@ -519,6 +619,13 @@ class InstrumentedAllocator:
                 self._w_st.ledger = value  # the hot paths' copy (see _CallState)
         else:
             setattr(self._w_inner, name, value)
+            cls = type(self)
+            if name not in cls.__dict__:
+                _forward_names(cls, (name,))  # a name new to the class: readable through the wrapper from now on
+
+    def _w_forward_new(self) -> None:
+        """Forward the inner's instance attributes created since construction (see the class docstring)."""
+        _forward_names(type(self), _instance_names(self._w_inner))
 
     def __repr__(self) -> str:
         return f"InstrumentedAllocator({self._w_inner!r}, mode={self.mode!r})"
@@ -1524,6 +1631,7 @@ class InstrumentedAllocator:
             self._w_st.op = "resize"
             self._drain(wait=True)
             result = inner.resize(config)
+            self._w_forward_new()  # attributes the inner's resize created (e.g. SGLang's num_pages)
             led = self._w_st.ledger
             need_sort = self._w_need_sort
             pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_st.pools.items()}
@@ -1562,6 +1670,7 @@ class InstrumentedAllocator:
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
             result = inner.clear()
+            self._w_forward_new()  # attributes the inner's clear() created
             self._cleared()
             self._finish()
             return result
