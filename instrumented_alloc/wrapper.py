@@ -385,21 +385,14 @@ def _is_own(name: str, base: type) -> bool:
     return any(name in vars(klass) for klass in base.__mro__)
 
 
-def _instance_names(inner) -> tuple:
-    """The names in the inner's instance ``__dict__`` (none for a class with only slots: those are class
-    attributes, forwarded with the class's)."""
-    d = getattr(inner, "__dict__", None)
-    return tuple(d) if isinstance(d, dict) else ()
-
-
 # (wrapper class, inner class) -> the generated class (see _subclass_for).
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
 def _forward_names(sub: type, names) -> None:
     """Give the generated class ``sub`` a forwarding property for each of ``names`` it does not answer yet.
-    Cold: construction, ``clear()``, ``resize()`` and the first assignment of a new name through the wrapper
-    (changing a class resets the interpreter's lookup caches for it)."""
+    Cold: the class's creation and the first assignment of a new name through the wrapper (changing a class
+    resets the interpreter's lookup caches for it)."""
     base = sub._w_base
     for name in names:
         if type(name) is str and name not in sub.__dict__ and not _is_own(name, base):
@@ -443,23 +436,22 @@ class InstrumentedAllocator:
     forwarded name is a class attribute:
     - the inner class's methods (those the wrapper does not instrument) call the inner's, looked up at call time
       (an instance attribute of the inner shadowing a method is honoured);
-    - every other name forwards through a property that reads and writes the inner's attribute: the inner
-      class's attributes and properties, the inner's instance attributes at wrap time, every name the inner
-      class's code assigns as an attribute anywhere (``self.x = ...`` in ``clear()``, in a lazy path: found in
-      its bytecode), and every name first assigned through the wrapper (the write lands on the inner, and the
-      property is added to the class then). A forwarded name the inner lacks raises the inner's own
-      ``AttributeError`` (naming the inner's class), so ``hasattr`` answers as for the bare allocator; a name
-      nothing forwards raises the generated class's (named ``Instrumented<InnerClass>``).
-    - ``clear()`` and ``resize()`` through the wrapper forward whatever new instance attributes the inner has
-      then.
-    Not forwarded: an attribute that only code outside the inner class creates directly on the inner object (not
-    through the wrapper) after wrapping, under a name its class's code never assigns (e.g. ``setattr`` with a
-    computed name), until the next ``clear()``/``resize()`` through the wrapper; read it from ``inner``. The
-    wrapper's own names (``_w_*``, ``ledger``, ``violations``, ``violation_counts``, ``mode``, ``inner``,
-    ``trace_id_for``, ``bus`` and everything this class defines) are never forwarded: they win over the inner's.
-    Adding a name to a generated class is cold (construction, ``clear``, ``resize``, a new name's first write)
-    and shared by the wrappers of that inner class: a property for a name one inner lacks answers as that inner
-    does (``AttributeError``)."""
+    - every other name forwards through a property that reads and writes (and deletes) the inner's attribute:
+      the inner class's attributes and properties, every name the inner class's code (its bases' included)
+      assigns as an attribute anywhere (``self.x = ...`` in ``__init__``, in ``clear()``, in a lazy path: read
+      from its bytecode when the class is generated), and every name first assigned through the wrapper (the
+      write lands on the inner; the property is added to the class then). A forwarded name the inner lacks
+      raises the inner's own ``AttributeError`` (naming the inner's class), so ``hasattr`` answers as for the bare
+      allocator; a name nothing forwards raises the generated class's (named ``Instrumented<InnerClass>``).
+    Not forwarded: an attribute that code outside the inner class creates directly on the inner object (before or
+    after wrapping, not through the wrapper) under a name the inner class's code never assigns (nor with a
+    ``setattr`` of a computed name): read it from ``inner``, or assign it once through the wrapper. The wrapper
+    never enumerates the inner's instance attributes: reading an object's ``__dict__`` makes CPython 3.11
+    materialise it, which slows every attribute access of the inner's own code from then on (measured: off mode
+    +3-5% at page size 1). The wrapper's own names (``_w_*``, ``ledger``, ``violations``, ``violation_counts``,
+    ``mode``, ``inner``, ``trace_id_for``, ``bus`` and everything this class defines) are never forwarded: they
+    win over the inner's. A generated class is shared by the wrappers of its inner class: a property for a name
+    one inner lacks answers as that inner does (``AttributeError``)."""
 
     # The class the generated classes are made from (see _subclass_for); set on each generated class.
     _w_base = None
@@ -491,8 +483,6 @@ class InstrumentedAllocator:
             check_int("sliding_window", sliding_window, minimum=1)
         s = object.__setattr__
         s(self, "_w_inner", inner)
-        # The inner's instance attributes as they are now (its class's are forwarded already: see _subclass_for).
-        _forward_names(type(self), _instance_names(inner))
         s(self, "inner", inner)
         s(self, "mode", mode)
         s(self, "_w_off", mode == "off")
@@ -622,10 +612,6 @@ class InstrumentedAllocator:
             cls = type(self)
             if name not in cls.__dict__:
                 _forward_names(cls, (name,))  # a name new to the class: readable through the wrapper from now on
-
-    def _w_forward_new(self) -> None:
-        """Forward the inner's instance attributes created since construction (see the class docstring)."""
-        _forward_names(type(self), _instance_names(self._w_inner))
 
     def __repr__(self) -> str:
         return f"InstrumentedAllocator({self._w_inner!r}, mode={self.mode!r})"
@@ -1631,7 +1617,6 @@ class InstrumentedAllocator:
             self._w_st.op = "resize"
             self._drain(wait=True)
             result = inner.resize(config)
-            self._w_forward_new()  # attributes the inner's resize created (e.g. SGLang's num_pages)
             led = self._w_st.ledger
             need_sort = self._w_need_sort
             pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_st.pools.items()}
@@ -1670,7 +1655,6 @@ class InstrumentedAllocator:
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
             result = inner.clear()
-            self._w_forward_new()  # attributes the inner's clear() created
             self._cleared()
             self._finish()
             return result
