@@ -125,7 +125,9 @@ class _CallState:
     - the per-wrapper constants, set once at construction and never reassigned: the same objects as the
       wrapper's ``_w_inner``, ``_w_lock``, ``_w_ps``, ``_w_shift``, ``_w_clock``, ``_w_tls``, ``bus``,
       ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
-      paths and readers outside);
+      paths and readers outside), except ``need_sort``, ``inner_checks``, ``atomic_free``, ``host``,
+      ``capture_before``, ``fast_*``, ``consts`` and ``steps``, held here only (the wrapper's ``_w_*`` names for
+      them are properties: its instance dict must stay within 30 names, see ``InstrumentedAllocator``);
     - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
       ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
       wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
@@ -589,6 +591,20 @@ class InstrumentedAllocator:
     _w_full = _state_property("full", "The full pool's ``_Pool``.")
     _w_swa = _state_property("swa", "The SWA pool's ``_Pool``, or None.")
     _w_one_pool = _state_property("one_pool", "(allocator, page size, shadow) of a single pool, else None.")
+    # Per-wrapper constants the hot paths read from the call state: one copy, there, so that the wrapper's
+    # instance dict stays within the 30 names CPython 3.11 keeps inline (past that the dict is materialised, and
+    # neither ``self.method()`` nor ``alloc.method()`` on the wrapper is specialised any more: about 25 ns more
+    # per call). ``__init__`` assigns them as before (``object.__setattr__`` runs these setters).
+    _w_need_sort = _state_property("need_sort", "The inner sorts its free list lazily (SGLang's need_sort).")
+    _w_inner_checks = _state_property("inner_checks", "The inner validates every argument itself.")
+    _w_atomic_free = _state_property("atomic_free", "A free that raises changed nothing in the inner.")
+    _w_host = _state_property("host", "The inner's tensors are on the CPU.")
+    _w_capture_before = _state_property("capture_before", "Allocations capture free counts before the call.")
+    _w_fast_decode = _state_property("fast_decode", "Immediate decode checks take the fast path first.")
+    _w_fast_alloc = _state_property("fast_alloc", "Immediate alloc checks take the fast path first.")
+    _w_fast_free = _state_property("fast_free", "Immediate frees take the fast path first.")
+    _w_consts = _state_property("consts", "Per-batch-size operands of the decode fast path.")
+    _w_steps = _state_property("steps", "A decode run's steps after its opening decode (a column).")
 
     @property
     def _w_bound(self):
