@@ -319,18 +319,12 @@ class _Missing:
         raise AttributeError(f"{owner.__name__ if owner else 'allocator'} has no attribute {self.name!r}")
 
 
-def _forward_method(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self._w_inner, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
 def _forward_property(name: str) -> property:
-    """A data descriptor forwarding ``name`` to the inner allocator, read and write. The read is a C getter
-    (``attrgetter``): no Python frame per read; a name the inner lacks raises the inner's own ``AttributeError``
-    (naming the inner's type), so ``hasattr`` and ``getattr(w, name, default)`` answer as for the bare allocator."""
+    """A data descriptor forwarding ``name`` to the inner allocator, read, write and delete. The read is a C getter
+    (``attrgetter``): no Python frame per read; a method reads as the inner's bound method (looked up at each
+    read, so an instance attribute of the inner shadowing it is honoured), and calling it costs no forwarding
+    frame. A name the inner lacks raises the inner's own ``AttributeError`` (naming the inner's type), so
+    ``hasattr`` and ``getattr(w, name, default)`` answer as for the bare allocator."""
 
     def set_inner(self, value) -> None:
         setattr(self._w_inner, name, value)
@@ -404,20 +398,15 @@ def _forward_names(sub: type, names) -> None:
 def _subclass_for(cls: type, base: type) -> type:
     """The generated subclass of ``(base, cls)`` for inner class ``cls`` (one per pair, cached; ``base`` is
     ``InstrumentedAllocator`` or a subclass of it): every name of ``cls`` the wrapper does not define forwards to
-    the inner (methods through a forwarding method, anything else through a forwarding property), and so does
-    every name the code of ``cls`` stores as an attribute (``_stored_names``); ``_Missing`` hides the
-    instrumented methods ``cls`` lacks."""
+    the inner through a property (``_forward_property``: methods included), and so does every name the code of
+    ``cls`` stores as an attribute (``_stored_names``); ``_Missing`` hides the instrumented methods ``cls``
+    lacks."""
     sub = _SUBCLASSES.get((base, cls))
     if sub is not None:
         return sub
     ns: dict = {"__module__": base.__module__, "__doc__": base.__doc__, "_w_base": base}
     for name in dir(cls):
-        if _is_own(name, base):
-            continue
-        attr = inspect.getattr_static(cls, name)
-        if isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr):
-            ns[name] = _forward_method(name)
-        else:
+        if not _is_own(name, base):
             ns[name] = _forward_property(name)
     for name in INSTRUMENTED_OPS:
         if not hasattr(cls, name):
@@ -435,16 +424,15 @@ class InstrumentedAllocator:
     specialised attribute lookups on every instance, the engine's ``alloc.alloc_decode`` and the wrapper's own
     ``self.x`` alike). ``InstrumentedAllocator(inner)`` is an instance of a class generated once per inner class
     (``Instrumented<InnerClass>``, a subclass of ``InstrumentedAllocator`` and of ``type(inner)``) on which every
-    forwarded name is a class attribute:
-    - the inner class's methods (those the wrapper does not instrument) call the inner's, looked up at call time
-      (an instance attribute of the inner shadowing a method is honoured);
-    - every other name forwards through a property that reads and writes (and deletes) the inner's attribute:
-      the inner class's attributes and properties, every name the inner class's code (its bases' included)
-      assigns as an attribute anywhere (``self.x = ...`` in ``__init__``, in ``clear()``, in a lazy path: read
-      from its bytecode when the class is generated), and every name first assigned through the wrapper (the
-      write lands on the inner; the property is added to the class then). A forwarded name the inner lacks
-      raises the inner's own ``AttributeError`` (naming the inner's class), so ``hasattr`` answers as for the bare
-      allocator; a name nothing forwards raises the generated class's (named ``Instrumented<InnerClass>``).
+    forwarded name is a property that reads, writes and deletes the inner's attribute (a method reads as the
+    inner's bound method, looked up at each read: an instance attribute of the inner shadowing it is honoured).
+    Forwarded: the inner class's names (methods the wrapper does not instrument, attributes, properties); every
+    name the inner class's code (its bases' included) assigns as an attribute anywhere (``self.x = ...`` in
+    ``__init__``, in ``clear()``, in a lazy path: read from its bytecode when the class is generated); every
+    name first assigned through the wrapper (the write lands on the inner; the property is added to the class
+    then). A forwarded name the inner lacks raises the inner's own ``AttributeError`` (naming the inner's class),
+    so ``hasattr`` answers as for the bare allocator; a name nothing forwards raises the generated class's (named
+    ``Instrumented<InnerClass>``).
     Not forwarded: an attribute that code outside the inner class creates directly on the inner object (before or
     after wrapping, not through the wrapper) under a name the inner class's code never assigns (nor with a
     ``setattr`` of a computed name): read it from ``inner``, or assign it once through the wrapper. The wrapper

@@ -280,6 +280,9 @@ def test_forwarded_methods_return_the_inners_results():
     assert w.size_full == 64 and w.size_swa == 64  # properties of the inner class
     assert w.full_to_swa_index_mapping is inner.full_to_swa_index_mapping
     assert w.swa_attn_allocator is inner.swa_attn_allocator and w.full_attn_allocator is inner.full_attn_allocator
+    # A forwarded method is the inner's own, bound to the inner (no forwarding frame between).
+    assert w.available_size.__self__ is inner and w.available_size.__func__ is type(inner).available_size
+    assert w.debug_print() == inner.debug_print()
 
 
 def test_attributes_the_inner_class_creates_later_are_forwarded():
