@@ -2071,10 +2071,11 @@ class InstrumentedAllocator:
     def _entries_before(self):
         # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
         # need_sort merges inside an allocation: otherwise nothing to capture.
-        if self._w_need_sort:
-            return [(p.entries(), p.staged()) for p in self._w_st.pools.values()]
-        if len(self._w_st.pools) > 1:
-            return [(p.entries(), 0) for p in self._w_st.pools.values()]
+        st = self._w_st  # every read below from it (see _CallState)
+        if st.need_sort:
+            return [(p.entries(), p.staged()) for p in st.pools.values()]
+        if len(st.pools) > 1:
+            return [(p.entries(), 0) for p in st.pools.values()]
         return None
 
     def _alloc_none(self, op: str, requested: int, before, duration: float = 0.0) -> None:
