@@ -115,9 +115,10 @@ _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inn
 
 class _CallState:
     """What the per-call paths read and write, on a plain slotted object: a slot is the cheapest attribute there
-    is to read and to assign, while the wrapper's own attributes live in an instance dict of 30-50 names (past
-    the size CPython 3.11 keeps inline, so a read is a hashed lookup) and assigning one goes through the
-    forwarding ``__setattr__``. The hot paths fetch this object once per call and read everything else from it.
+    is to read and to assign, while the wrapper's own attributes are instance attributes (kept within the 30
+    names CPython 3.11 holds inline, see ``InstrumentedAllocator``'s properties; off mode's are more, and its
+    instrumented methods are not called) and assigning one goes through the forwarding ``__setattr__``. The hot
+    paths fetch this object once per call and read everything else from it.
 
     Three kinds of fields:
     - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
@@ -360,13 +361,13 @@ def _stored_names(cls: type) -> set[str]:
         for value in vars(klass).values():
             parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
             for part in parts:
-                part = getattr(part, "__func__", part)  # staticmethod, classmethod
-                part = getattr(part, "func", part)  # functools.cached_property, partialmethod
-                try:
+                try:  # class attributes may be any object: one that misbehaves here has no code to scan
+                    part = getattr(part, "__func__", part)  # staticmethod, classmethod
+                    part = getattr(part, "func", part)  # functools.cached_property, partialmethod
                     part = inspect.unwrap(part)
-                except ValueError:  # a __wrapped__ cycle
+                    code = getattr(part, "__code__", None)
+                except Exception:
                     continue
-                code = getattr(part, "__code__", None)
                 if isinstance(code, types.CodeType):
                     scan(code)
     return names
