@@ -25,10 +25,12 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import dis
 import inspect
 import operator
 import threading
 import time
+import types
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
@@ -112,10 +114,11 @@ _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inn
 
 
 class _CallState:
-    """What the per-call paths read and write, on a plain slotted object: the wrapper's own attributes are slow to
-    read (its class defines ``__getattr__`` to forward, which keeps CPython 3.11 from specialising attribute
-    loads on it: about 4x a slot's cost, per read and per method lookup) and slower to assign (the forwarding
-    ``__setattr__``). The hot paths fetch this object once per call and read everything else from it.
+    """What the per-call paths read and write, on a plain slotted object: a slot is the cheapest attribute there
+    is to read and to assign, while the wrapper's own attributes are instance attributes (kept within the 30
+    names CPython 3.11 holds inline, see ``InstrumentedAllocator``'s properties; off mode's are more, and its
+    instrumented methods are not called) and assigning one goes through the forwarding ``__setattr__``. The hot
+    paths fetch this object once per call and read everything else from it.
 
     Three kinds of fields:
     - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
@@ -123,7 +126,9 @@ class _CallState:
     - the per-wrapper constants, set once at construction and never reassigned: the same objects as the
       wrapper's ``_w_inner``, ``_w_lock``, ``_w_ps``, ``_w_shift``, ``_w_clock``, ``_w_tls``, ``bus``,
       ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
-      paths and readers outside);
+      paths and readers outside), except ``need_sort``, ``inner_checks``, ``atomic_free``, ``host``,
+      ``capture_before``, ``fast_*``, ``consts`` and ``steps``, held here only (the wrapper's ``_w_*`` names for
+      them are properties: its instance dict must stay within 30 names, see ``InstrumentedAllocator``);
     - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
       ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
       wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
@@ -315,57 +320,138 @@ class _Missing:
         raise AttributeError(f"{owner.__name__ if owner else 'allocator'} has no attribute {self.name!r}")
 
 
-def _forward_method(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self._w_inner, name)(*args, **kwargs)
+def _forward_property(name: str) -> property:
+    """A data descriptor forwarding ``name`` to the inner allocator, read, write and delete. The read is a C getter
+    (``attrgetter``): no Python frame per read; a method reads as the inner's bound method (looked up at each
+    read, so an instance attribute of the inner shadowing it is honoured), and calling it costs no forwarding
+    frame. A name the inner lacks raises the inner's own ``AttributeError`` (naming the inner's type), so
+    ``hasattr`` and ``getattr(w, name, default)`` answer as for the bare allocator."""
 
-    method.__name__ = name
-    return method
+    def set_inner(self, value) -> None:
+        setattr(self._w_inner, name, value)
 
+    def del_inner(self) -> None:
+        delattr(self._w_inner, name)
 
-def _forward_property(name: str):
-    return property(
-        lambda self: getattr(self._w_inner, name),
-        lambda self, value: setattr(self._w_inner, name, value),
-    )
-
-
-_SUBCLASSES: dict[type, type] = {}
+    return property(operator.attrgetter(f"_w_inner.{name}"), set_inner, del_inner, doc=f"The inner's ``{name}``.")
 
 
-def _subclass_for(cls: type) -> type:
-    sub = _SUBCLASSES.get(cls)
+def _stored_names(cls: type) -> set[str]:
+    """Every attribute name the code of ``cls`` and its bases stores with ``x.name = ...`` (``STORE_ATTR``): the
+    instance attributes its methods may create after construction (``clear()``, lazily). A superset (it also
+    holds names stored on other objects): a forwarding property for a name the inner lacks answers as the inner
+    does (``AttributeError``), so an extra name costs nothing but a ``dir()`` entry."""
+    names: set[str] = set()
+    seen: set = set()
+
+    def scan(code) -> None:
+        if code in seen:
+            return
+        seen.add(code)
+        for ins in dis.get_instructions(code):
+            if ins.opname == "STORE_ATTR":
+                names.add(ins.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                scan(const)
+
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for value in vars(klass).values():
+            parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+            for part in parts:
+                try:  # class attributes may be any object: one that misbehaves here has no code to scan
+                    part = getattr(part, "__func__", part)  # staticmethod, classmethod
+                    part = getattr(part, "func", part)  # functools.cached_property, partialmethod
+                    part = inspect.unwrap(part)
+                    code = getattr(part, "__code__", None)
+                except Exception:
+                    continue
+                if isinstance(code, types.CodeType):
+                    scan(code)
+    return names
+
+
+def _is_own(name: str, base: type) -> bool:
+    """A name the wrapper keeps for itself (never forwarded): its private ``_w_*`` state, its public instance
+    attributes, dunders, and every name the classes of ``base`` (``InstrumentedAllocator`` or a subclass of it)
+    define."""
+    if name.startswith("_w_") or name in _OWN_ATTRS or (name.startswith("__") and name.endswith("__")):
+        return True
+    return any(name in vars(klass) for klass in base.__mro__)
+
+
+# (wrapper class, inner class) -> the generated class (see _subclass_for).
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _forward_names(sub: type, names) -> None:
+    """Give the generated class ``sub`` a forwarding property for each of ``names`` it does not answer yet.
+    Cold: the class's creation and the first assignment of a new name through the wrapper (changing a class
+    resets the interpreter's lookup caches for it)."""
+    base = sub._w_base
+    for name in names:
+        if type(name) is str and name not in sub.__dict__ and not _is_own(name, base):
+            setattr(sub, name, _forward_property(name))
+
+
+def _subclass_for(cls: type, base: type) -> type:
+    """The generated subclass of ``(base, cls)`` for inner class ``cls`` (one per pair, cached; ``base`` is
+    ``InstrumentedAllocator`` or a subclass of it): every name of ``cls`` the wrapper does not define forwards to
+    the inner through a property (``_forward_property``: methods included), and so does every name the code of
+    ``cls`` stores as an attribute (``_stored_names``); ``_Missing`` hides the instrumented methods ``cls``
+    lacks."""
+    sub = _SUBCLASSES.get((base, cls))
     if sub is not None:
         return sub
-    own = set()
-    for klass in InstrumentedAllocator.__mro__:
-        if klass is not object:
-            own.update(klass.__dict__)
-    ns: dict = {"__module__": __name__, "__doc__": InstrumentedAllocator.__doc__}
+    ns: dict = {"__module__": base.__module__, "__doc__": base.__doc__, "_w_base": base}
     for name in dir(cls):
-        if (name.startswith("__") and name.endswith("__")) or name in own:
-            continue
-        attr = inspect.getattr_static(cls, name)
-        if isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr):
-            ns[name] = _forward_method(name)
-        else:
+        if not _is_own(name, base):
             ns[name] = _forward_property(name)
     for name in INSTRUMENTED_OPS:
         if not hasattr(cls, name):
             ns[name] = _Missing(name)
-    sub = type(f"Instrumented{cls.__name__}", (InstrumentedAllocator, cls), ns)
-    _SUBCLASSES[cls] = sub
+    sub = type(f"Instrumented{cls.__name__}", (base, cls), ns)
+    _forward_names(sub, _stored_names(cls))
+    _SUBCLASSES[(base, cls)] = sub
     return sub
 
 
 class InstrumentedAllocator:
-    """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts."""
+    """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts.
+
+    Forwarding (the class defines no ``__getattr__``: on CPython 3.11 one turns off the interpreter's
+    specialised attribute lookups on every instance, the engine's ``alloc.alloc_decode`` and the wrapper's own
+    ``self.x`` alike). ``InstrumentedAllocator(inner)`` is an instance of a class generated once per inner class
+    (``Instrumented<InnerClass>``, a subclass of ``InstrumentedAllocator`` and of ``type(inner)``) on which every
+    forwarded name is a property that reads, writes and deletes the inner's attribute (a method reads as the
+    inner's bound method, looked up at each read: an instance attribute of the inner shadowing it is honoured).
+    Forwarded: the inner class's names (methods the wrapper does not instrument, attributes, properties); every
+    name the inner class's code (its bases' included) assigns as an attribute anywhere (``self.x = ...`` in
+    ``__init__``, in ``clear()``, in a lazy path: read from its bytecode when the class is generated); every
+    name first assigned through the wrapper (the write lands on the inner; the property is added to the class
+    then). A forwarded name the inner lacks raises the inner's own ``AttributeError`` (naming the inner's class),
+    so ``hasattr`` answers as for the bare allocator; a name nothing forwards raises the generated class's (named
+    ``Instrumented<InnerClass>``).
+    Not forwarded: an attribute that code outside the inner class creates directly on the inner object (before or
+    after wrapping, not through the wrapper) under a name the inner class's code never assigns (nor with a
+    ``setattr`` of a computed name): read it from ``inner``, or assign it once through the wrapper. The wrapper
+    never enumerates the inner's instance attributes: reading an object's ``__dict__`` makes CPython 3.11
+    materialise it, which slows every attribute access of the inner's own code from then on (measured: off mode
+    +3-5% at page size 1). The wrapper's own names (``_w_*``, ``ledger``, ``violations``, ``violation_counts``,
+    ``mode``, ``inner``, ``trace_id_for``, ``bus`` and everything this class defines) are never forwarded: they
+    win over the inner's. A generated class is shared by the wrappers of its inner class: a property for a name
+    one inner lacks answers as that inner does (``AttributeError``)."""
+
+    # The class the generated classes are made from (see _subclass_for); set on each generated class.
+    _w_base = None
 
     def __new__(cls, inner=None, **kwargs):
-        if cls is InstrumentedAllocator:
+        if cls._w_base is None:  # InstrumentedAllocator itself (or a subclass of it): make the generated class
             if inner is None:
                 raise TypeError("InstrumentedAllocator(inner, ...): inner is required")
-            cls = _subclass_for(type(inner))
+            cls = _subclass_for(type(inner), cls)
         return object.__new__(cls)
 
     def __init__(
@@ -494,6 +580,20 @@ class InstrumentedAllocator:
     _w_full = _state_property("full", "The full pool's ``_Pool``.")
     _w_swa = _state_property("swa", "The SWA pool's ``_Pool``, or None.")
     _w_one_pool = _state_property("one_pool", "(allocator, page size, shadow) of a single pool, else None.")
+    # Per-wrapper constants the hot paths read from the call state: one copy, there, so that the wrapper's
+    # instance dict stays within the 30 names CPython 3.11 keeps inline (past that the dict is materialised, and
+    # neither ``self.method()`` nor ``alloc.method()`` on the wrapper is specialised any more: about 25 ns more
+    # per call). ``__init__`` assigns them as before (``object.__setattr__`` runs these setters).
+    _w_need_sort = _state_property("need_sort", "The inner sorts its free list lazily (SGLang's need_sort).")
+    _w_inner_checks = _state_property("inner_checks", "The inner validates every argument itself.")
+    _w_atomic_free = _state_property("atomic_free", "A free that raises changed nothing in the inner.")
+    _w_host = _state_property("host", "The inner's tensors are on the CPU.")
+    _w_capture_before = _state_property("capture_before", "Allocations capture free counts before the call.")
+    _w_fast_decode = _state_property("fast_decode", "Immediate decode checks take the fast path first.")
+    _w_fast_alloc = _state_property("fast_alloc", "Immediate alloc checks take the fast path first.")
+    _w_fast_free = _state_property("fast_free", "Immediate frees take the fast path first.")
+    _w_consts = _state_property("consts", "Per-batch-size operands of the decode fast path.")
+    _w_steps = _state_property("steps", "A decode run's steps after its opening decode (a column).")
 
     @property
     def _w_bound(self):
@@ -504,14 +604,9 @@ class InstrumentedAllocator:
         self._w_tls.bound = value
 
     # -- attribute forwarding ---------------------------------------------------------------------------------
-    def __getattr__(self, name):
-        # Only reached when normal lookup fails: the inner allocator's instance attributes.
-        try:
-            inner = object.__getattribute__(self, "_w_inner")
-        except AttributeError:
-            raise AttributeError(name) from None
-        return getattr(inner, name)
-
+    # No __getattr__: on CPython 3.11 a class with one gets none of the interpreter's specialised attribute
+    # lookups (every ``alloc.x`` by the engine and every ``self.x`` here would pay a generic lookup). The inner's
+    # attributes are forwarded by properties on the generated class instead (see the class docstring).
     def __setattr__(self, name, value):
         if name.startswith("_w_") or name in _OWN_ATTRS:
             object.__setattr__(self, name, value)
@@ -519,6 +614,9 @@ class InstrumentedAllocator:
                 self._w_st.ledger = value  # the hot paths' copy (see _CallState)
         else:
             setattr(self._w_inner, name, value)
+            cls = type(self)
+            if name not in cls.__dict__:
+                _forward_names(cls, (name,))  # a name new to the class: readable through the wrapper from now on
 
     def __repr__(self) -> str:
         return f"InstrumentedAllocator({self._w_inner!r}, mode={self.mode!r})"
@@ -1974,10 +2072,11 @@ class InstrumentedAllocator:
     def _entries_before(self):
         # Only a multi-pool allocator can refuse (None) after changing a pool (SGLang's SWA decode), and only
         # need_sort merges inside an allocation: otherwise nothing to capture.
-        if self._w_need_sort:
-            return [(p.entries(), p.staged()) for p in self._w_st.pools.values()]
-        if len(self._w_st.pools) > 1:
-            return [(p.entries(), 0) for p in self._w_st.pools.values()]
+        st = self._w_st  # every read below from it (see _CallState)
+        if st.need_sort:
+            return [(p.entries(), p.staged()) for p in st.pools.values()]
+        if len(st.pools) > 1:
+            return [(p.entries(), 0) for p in st.pools.values()]
         return None
 
     def _alloc_none(self, op: str, requested: int, before, duration: float = 0.0) -> None:

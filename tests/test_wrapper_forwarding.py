@@ -7,6 +7,9 @@ to a bare SGLang twin, zero violations, a clean sweep).
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -203,6 +206,215 @@ def test_forwarded_method_is_the_inner_implementation():
     calls = []
     inner.debug_print = lambda: calls.append(1) or "patched"  # an instance attribute shadows the class method
     assert w.debug_print() == "patched" and calls == [1]
+
+
+# -- forwarding without __getattr__ (see InstrumentedAllocator's docstring) ----------------------------------------
+class _LazyPaged(PagedTokenToKVPoolAllocator):
+    """Our paged allocator with attributes its own code creates after construction: lazily, in a method."""
+
+    def available_size(self) -> int:
+        self.calls_seen = getattr(self, "calls_seen", 0) + 1  # first created by the first call
+        return super().available_size()
+
+    def note(self, value) -> None:
+        self.last_note = value
+
+
+def test_the_wrapper_class_has_no_getattr_hook():
+    # The premise of the forwarding design: with a __getattr__ anywhere in the class's MRO, CPython 3.11
+    # specialises no attribute lookup on its instances.
+    for kind in ("ours-token", "ours-paged", "ours-swa", "ours-hisparse"):
+        w = InstrumentedAllocator(ALL[kind]())
+        assert [k.__name__ for k in type(w).__mro__ if "__getattr__" in vars(k)] == [], kind
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("kind", list(ALL))
+def test_the_wrappers_own_attributes_stay_inline(kind, verify):
+    # CPython 3.11 keeps at most 30 instance attributes inline (in the class's shared keys); past that (or once
+    # something reads the instance's __dict__) the dict is materialised, and no method lookup on the wrapper is
+    # specialised any more (about 25 ns more per self.method() call on the hot paths). A new per-wrapper value
+    # belongs on _CallState. (Off mode adds the inner's bound methods, and its wrapper methods are not called.)
+    inner = ALL[kind]()
+    w = InstrumentedAllocator(inner, verify=verify)
+    req = Req("a")
+    _grow(w, "a", 2 * inner.page_size + 1, req)
+    w.free(t(req.row))
+    w.release_request("a")
+    w.step()
+    w.flush()
+    w.clear()
+    w.note_through_the_wrapper = 1  # lands on the inner
+    if sys.implementation.name == "cpython" and sys.version_info[:2] == (3, 11):
+        # Materialised, the dict would be among the object's referents (inline values are visited one by one).
+        assert not [r for r in gc.get_referents(w) if type(r) is dict and "_w_st" in r]
+    assert len(vars(w)) <= 30, sorted(vars(w))
+    assert list(w.violations) == []
+
+
+def test_reads_and_writes_of_inner_attributes_are_live():
+    inner = OURS["ours-paged"]()
+    w = InstrumentedAllocator(inner)
+    assert w.num_pages == 16 and w.page_size == 4 and w.free_group is None
+    inner.num_staged_pages = 7  # a write on the inner: read through the wrapper
+    assert w.num_staged_pages == 7
+    w.num_staged_pages = 0  # a write through the wrapper: lands on the inner, nothing on the wrapper
+    assert inner.num_staged_pages == 0 and "num_staged_pages" not in vars(w)
+    w.free_group_begin()  # the inner's method rebinds its attributes: the wrapper reads the new objects
+    assert w.free_group == [] and w.free_group is inner.free_group
+    w.free_group_end()
+    assert w.free_group is None
+    del w.free_group
+    assert not hasattr(inner, "free_group")
+    with pytest.raises(AttributeError, match="PagedTokenToKVPoolAllocator"):
+        _ = w.free_group
+    assert hasattr(type(inner), "free_group") is False
+
+
+def test_forwarded_methods_return_the_inners_results():
+    inner = OURS["ours-swa"]()
+    w = InstrumentedAllocator(inner)
+    assert w.get_kvcache() is inner.get_kvcache() is None
+    assert w.available_size() == inner.available_size() == 64
+    assert w.new_pages_available(16, 16) is True
+    assert w.size_full == 64 and w.size_swa == 64  # properties of the inner class
+    assert w.full_to_swa_index_mapping is inner.full_to_swa_index_mapping
+    assert w.swa_attn_allocator is inner.swa_attn_allocator and w.full_attn_allocator is inner.full_attn_allocator
+    # A forwarded method is the inner's own, bound to the inner (no forwarding frame between).
+    assert w.available_size.__self__ is inner and w.available_size.__func__ is type(inner).available_size
+    assert w.debug_print() == inner.debug_print()
+
+
+def test_attributes_the_inner_class_creates_later_are_forwarded():
+    inner = _LazyPaged(64, 4, F16, "cpu")
+    w = InstrumentedAllocator(inner)
+    assert not hasattr(w, "calls_seen") and not hasattr(w, "last_note")  # not created yet: as the inner answers
+    assert w.available_size() == 64
+    assert w.calls_seen == 1 == inner.calls_seen  # created by the inner's own method after wrapping
+    w.note("x")
+    assert w.last_note == "x"
+    inner.last_note = "y"
+    assert w.last_note == "y"
+
+
+def test_a_name_added_through_the_wrapper():
+    inner, other = OURS["ours-paged"](), OURS["ours-paged"]()
+    w, w2 = InstrumentedAllocator(inner), InstrumentedAllocator(other)
+    assert type(w) is type(w2)
+    w.engine_tag = {"tp": 0}
+    assert inner.engine_tag == {"tp": 0} and w.engine_tag is inner.engine_tag
+    assert "engine_tag" not in vars(w)
+    # The name is forwarded for every wrapper of the class: one whose inner lacks it answers as its inner does.
+    assert not hasattr(w2, "engine_tag")
+    with pytest.raises(AttributeError, match=r"'PagedTokenToKVPoolAllocator' object has no attribute 'engine_tag'"):
+        _ = w2.engine_tag
+    w2.engine_tag = 3
+    assert other.engine_tag == 3 and w.engine_tag == {"tp": 0}
+
+
+def test_an_attribute_created_on_the_inner_directly_is_not_forwarded():
+    # The documented limit: a name set on the inner object directly (not through the wrapper) that the inner
+    # class's code never assigns is read from ``inner``, or forwarded once it is assigned through the wrapper.
+    inner = OURS["ours-paged"]()
+    w = InstrumentedAllocator(inner)
+    inner.set_from_outside_xyz = 5
+    assert w.inner.set_from_outside_xyz == 5
+    w.clear()
+    assert not hasattr(w, "set_from_outside_xyz")
+    w.set_from_outside_xyz = 6
+    assert w.set_from_outside_xyz == 6 == inner.set_from_outside_xyz
+    assert list(w.violations) == []
+
+
+class _DictSpy(PagedTokenToKVPoolAllocator):
+    """Records reads of its ``__dict__`` (``vars()``, ``dir()`` and ``__dict__`` all go through here)."""
+
+    def __getattribute__(self, name):
+        if name == "__dict__":
+            type(self).dict_reads += 1
+        return super().__getattribute__(name)
+
+    dict_reads = 0
+
+
+@pytest.mark.parametrize("mode", ["record", "off"])
+def test_the_wrapper_never_reads_the_inners_instance_dict(mode):
+    # Reading it makes CPython 3.11 materialise the instance dict, which slows every attribute access of the
+    # inner's own code from then on: the forwarding set comes from the class, never from the instance.
+    _DictSpy.dict_reads = 0
+    inner = _DictSpy(64, 4, F16, "cpu")
+    w = InstrumentedAllocator(inner, mode=mode)
+    req = Req("a")
+    _grow(w, "a", 5, req)
+    assert w.free_pages is inner.free_pages and w.num_pages == 16 and w.page_size == 4
+    w.free(t(req.row))
+    w.release_request("a")
+    w.step()
+    w.clear()
+    w.new_name = 1
+    repr(w)
+    assert _DictSpy.dict_reads == 0
+    vars(inner)
+    assert _DictSpy.dict_reads == 1  # the spy works
+
+
+def test_isinstance_and_repr():
+    inner = OURS["ours-swa"]()
+    w = InstrumentedAllocator(inner, mode="off")
+    assert isinstance(w, SWATokenToKVPoolAllocator) and isinstance(w, InstrumentedAllocator)
+    assert not isinstance(w, PagedTokenToKVPoolAllocator)
+    assert repr(w) == f"InstrumentedAllocator({inner!r}, mode='off')"
+
+
+def test_a_missing_name_raises_attribute_error_naming_the_inner_type():
+    for kind, cls_name in (("ours-paged", "PagedTokenToKVPoolAllocator"), ("ours-swa", "SWATokenToKVPoolAllocator")):
+        w = InstrumentedAllocator(ALL[kind]())
+        with pytest.raises(AttributeError, match=rf"'Instrumented{cls_name}' object has no attribute 'no_such_name'"):
+            _ = w.no_such_name
+        assert getattr(w, "no_such_name", "default") == "default"
+        assert not hasattr(w, "no_such_name")
+
+
+def test_two_wrappers_of_different_inner_types():
+    paged, swa = OURS["ours-paged"](), OURS["ours-swa"]()
+    wp, ws = InstrumentedAllocator(paged), InstrumentedAllocator(swa)
+    assert type(wp) is not type(ws)
+    assert ws.swa_attn_allocator is swa.swa_attn_allocator
+    assert not hasattr(wp, "swa_attn_allocator") and not hasattr(wp, "full_to_swa_index_mapping")
+    wp.only_on_paged = 1
+    assert "only_on_paged" in vars(type(wp)) and "only_on_paged" not in vars(type(ws))
+    assert not hasattr(ws, "only_on_paged")
+    assert wp.num_pages == 16 and ws.size_swa == 64
+    assert wp.page_size == ws.page_size == 4
+
+
+def test_the_wrappers_own_names_win_over_the_inners():
+    inner = OURS["ours-paged"]()
+    inner.mode = "inner's"  # the inner happens to have attributes named as the wrapper's own
+    inner.ledger = "inner's"
+    w = InstrumentedAllocator(inner, mode="off")
+    assert w.mode == "off" and w.ledger is not inner.ledger and w.inner is inner
+    w.clear()
+    assert w.mode == "off" and inner.mode == "inner's"
+
+
+@pytest.mark.parametrize("mode", ["record", "off"])
+@pytest.mark.parametrize("kind", list(ALL))
+def test_every_instance_attribute_of_the_inner_reads_through(kind, mode):
+    """After a workload through the wrapper (SGLang's own classes included), every attribute the inner holds
+    reads through the wrapper as the same object, except the wrapper's own names."""
+    inner = ALL[kind]()
+    w = InstrumentedAllocator(inner, mode=mode)
+    ps = inner.page_size
+    req = Req("a")
+    _grow(w, "a", 3 * ps + 1, req)
+    w.free_group_begin()
+    w.free(t(req.row[-1:]))
+    w.free_group_end()
+    w.available_size()
+    names = [n for n in vars(inner) if n not in ("mode", "ledger", "inner", "bus")]
+    assert "page_size" in names and "free_group" in names
+    assert [n for n in names if getattr(w, n) is not getattr(inner, n)] == []
 
 
 # -- mode="off" ----------------------------------------------------------------------------------------------------
