@@ -125,7 +125,7 @@ class _CallState:
       ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
       paths and readers outside);
     - the per-wrapper values that are reassigned (``run``, ``roll``: the decode fast path's ``_DecodeRun`` and
-      ``_DecodeRoll``, at most one of them set; ``pools``,
+      ``_DecodeRoll``, at most one of them set, ``roll_key``: what decides when a roll is worth building; ``pools``,
       ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
       wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
       and write these slots;
@@ -159,6 +159,7 @@ class _CallState:
         "ps",
         "raising",
         "roll",
+        "roll_key",
         "run",
         "seq",
         "shift",
@@ -193,6 +194,7 @@ class _CallState:
         self.to_raise = to_raise
         self.run = None  # the decode fast path's _DecodeRun (one pool, immediate verification)
         self.roll = None  # the decode fast path's _DecodeRoll (one pool, immediate verification)
+        self.roll_key = None  # the batch (slots' bytes, or its size unattributed) of the last _decode_fast call
         self.ledger = self.pools = self.full = self.swa = self.one_pool = None  # set by the wrapper's __init__
 
 
@@ -1375,6 +1377,10 @@ class InstrumentedAllocator:
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size. ``st``: the wrapper's ``_CallState`` (every read from it)."""
         st.roll = None  # reached when the roll is absent or does not vouch for this call: it is spent
+        # The batch, to tell whether the last call here had the same (a roll is built on the second, see below).
+        key = bs if slots is None else slots.tobytes()
+        again = key == st.roll_key
+        st.roll_key = key
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
@@ -1473,9 +1479,12 @@ class InstrumentedAllocator:
                 )
             else:
                 # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of
-                # the same batch are verified against what this one established. o: the caller's, copied.
-                st.run = None
-                st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, st.ps)
+                # the same batch are verified against what this one established. Built on the second such decode
+                # of one batch in a row: building costs a few decodes' checks, which a batch that changes at
+                # every decode would pay each time for nothing. o: the caller's, copied.
+                if again:
+                    st.run = None
+                    st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, st.ps)
         return n_new
 
     def _decode_roll(self, st: _CallState, roll: _DecodeRoll, o: np.ndarray, seq: np.ndarray, slots, bs: int):

@@ -892,7 +892,7 @@ def test_decode_roll_verifies_a_mixed_batch_cycle_after_cycle(monkeypatch):
     for _ in range(4 * PS):
         _decode(w, reqs)  # a new batch() each time: the same slots
         w.step()
-    assert len(calls) == 1  # the first decode built the roll; it verified every other one
+    assert len(calls) == 2  # the second decode of the batch built the roll; it verified every other one
     assert w._w_st.roll is not None and w._w_st.run is None
     assert not w.violations
     led = w.ledger
@@ -979,3 +979,14 @@ def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, monkeypa
     assert with_roll == _outcome(_random_mixed_engine(seed, "deferred"))
     _no_roll(monkeypatch)
     assert _outcome(_random_mixed_engine(seed)) == with_roll
+
+
+def test_decode_roll_is_not_built_for_a_batch_that_changes_at_every_decode():
+    w, reqs = _start(paged, "immediate", lens=MIXED)
+    for i in range(2 * PS):
+        _decode(w, reqs[: 3 + i % 2])  # three requests, then four, then three ...
+        assert w._w_st.roll is None
+    for _ in range(PS):
+        _decode(w, reqs[:3])  # the same batch from now on
+    assert w._w_st.roll is not None
+    assert not w.violations
