@@ -1377,10 +1377,13 @@ class InstrumentedAllocator:
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size. ``st``: the wrapper's ``_CallState`` (every read from it)."""
         st.roll = None  # reached when the roll is absent or does not vouch for this call: it is spent
-        # The batch, to tell whether the last call here had the same (a roll is built on the second, see below).
-        key = bs if slots is None else slots.tobytes()
-        again = key == st.roll_key
-        st.roll_key = key
+        swa = st.swa
+        if swa is None:
+            # The batch, to tell whether the last call here had the same (a roll is built on the second, see
+            # below; never on SWA allocators).
+            key = bs if slots is None else slots.tobytes()
+            again = key == st.roll_key
+            st.roll_key = key
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
@@ -1394,7 +1397,6 @@ class InstrumentedAllocator:
             prev = shadow.owner[pages]
         except IndexError:
             return None  # a page past the end
-        swa = st.swa
         if swa is not None:
             # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
             peers = st.inner.full_to_swa_index_mapping.numpy()[o]
@@ -1413,7 +1415,7 @@ class InstrumentedAllocator:
             own = bound[3]
             if own is None:
                 own = bound[3] = slots.astype(np.int32)
-                own.flags.writeable = False  # shared by this block's page deltas (see _bind)
+                own.setflags(write=False)  # shared by this block's page deltas (see _bind)
         if n_new == 0:
             own_b = own.tobytes()
             if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
@@ -1479,9 +1481,9 @@ class InstrumentedAllocator:
                 )
             else:
                 # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of
-                # the same batch are verified against what this one established. Built on the second such decode
-                # of one batch in a row: building costs a few decodes' checks, which a batch that changes at
-                # every decode would pay each time for nothing. o: the caller's, copied.
+                # the same batch are verified against what this one established. Built when the last call here had
+                # the same batch: building costs a few decodes' checks, which a batch that changes at every decode
+                # would pay each time for nothing. o: the caller's, copied.
                 if again:
                     st.run = None
                     st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, st.ps)
