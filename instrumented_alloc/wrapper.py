@@ -276,6 +276,7 @@ class _DecodeRoll:
         "keep",
         "last",
         "ledger_version",
+        "ones_b",
         "own",
         "own_next",
         "owned_next",
@@ -314,6 +315,7 @@ class _DecodeRoll:
         keep = keep * ps
         keep -= 1
         self.keep = list(keep)  # the rows (views), indexed per call without making one
+        self.ones_b = np.ones(seq.shape, np.int64).tobytes()  # what every masked difference must read
         self.own_next = own[c]
         if slots is not None:
             self.slots_next = slots_next = slots[c]
@@ -1507,12 +1509,11 @@ class InstrumentedAllocator:
         ):
             return None
         k = roll.k
-        consts = st.consts.get(bs) or self._decode_consts(bs)
         # Every slot less the last one, masked by the row's keep, reads 1 (see _DecodeRoll; wrapping int64
         # arithmetic: a difference whose 64 bits read 1 is o == last + 1).
         d = o - roll.last
         d &= roll.keep[k]
-        if d.tobytes() != consts[2].tobytes():  # ones
+        if d.tobytes() != roll.ones_b:
             return None
         a, b = roll.cuts[k], roll.cuts[k + 1]
         n_new = b - a
@@ -1547,7 +1548,7 @@ class InstrumentedAllocator:
                 st.ledger.committed[slots] = seq
         if shadow.deltas is not None:
             # The delta the general fast path records: every page of the batch, as its owner reads (pages: fresh).
-            shadow.note(o >> consts[3], roll.own, private=slots is not None)
+            shadow.note(o >> (st.consts.get(bs) or self._decode_consts(bs))[3], roll.own, private=slots is not None)
         if shared:
             st.roll = None
             return n_new
