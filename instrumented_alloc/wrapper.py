@@ -105,6 +105,15 @@ _TAINTING = frozenset(
     }
 )
 
+# The decode fast path builds a _DecodeRoll once a mixed batch has been verified this many times in a row with
+# nothing else changing the pages' owners in between. Building one costs what the roll saves on some 10 to 20
+# decodes (measured in the demo engine's step loop, where numpy's cold paths make it several times dearer than
+# in a tight loop), so it pays only on a batch that stays: in an engine whose batch changes every few decodes
+# (requests joining and finishing, other requests' allocations in between) it is never built, and a batch that
+# stayed this long at most doubles the decodes it would have needed to pay.
+_ROLL_AFTER = 16
+_ONE_B = np.ones(1, np.int64).tobytes()  # the bytes of int64 1
+
 # A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
 _FEW_DIRTY = 8
 
@@ -194,7 +203,8 @@ class _CallState:
         self.to_raise = to_raise
         self.run = None  # the decode fast path's _DecodeRun (one pool, immediate verification)
         self.roll = None  # the decode fast path's _DecodeRoll (one pool, immediate verification)
-        self.roll_key = None  # the batch (slots' bytes, or its size unattributed) of the last _decode_fast call
+        # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
+        self.roll_key = None
         self.ledger = self.pools = self.full = self.swa = self.one_pool = None  # set by the wrapper's __init__
 
 
@@ -290,10 +300,11 @@ class _DecodeRoll:
         "version",
     )
 
-    def __init__(self, shadow, ledger, slots, own, last: np.ndarray, seq: np.ndarray, ps: int):
+    def __init__(self, shadow, ledger, slots, own, last: np.ndarray, seq: np.ndarray, steps: np.ndarray):
         """``last``: this cache's own copy of the verified call's slots; ``seq``: its lengths (read here only);
         ``slots``: the batch's ledger slots (None: unattributed; read-only), ``own`` their owner codes (read-only,
-        the same shape)."""
+        the same shape); ``steps``: the column 1 .. ps (read-only)."""
+        ps = steps.shape[0]
         self.shadow = shadow
         self.version = shadow.version
         self.ledger_version = ledger.version
@@ -302,7 +313,7 @@ class _DecodeRoll:
         self.own = own
         self.last = last
         mask = ps - 1
-        self.rows = rows = seq + np.arange(1, ps + 1, dtype=np.int64)[:, None]  # a cycle's lengths, a row each
+        self.rows = rows = seq + steps  # a cycle's lengths, a row each
         self.seq_rows = rows.tobytes()
         # The row at which each request opens a page ((seq + k + 1) % ps == 1), and the requests by that row,
         # ascending within a row (a stable sort), cut by row.
@@ -315,7 +326,7 @@ class _DecodeRoll:
         keep = keep * ps
         keep -= 1
         self.keep = list(keep)  # the rows (views), indexed per call without making one
-        self.ones_b = np.ones(seq.shape, np.int64).tobytes()  # what every masked difference must read
+        self.ones_b = _ONE_B * seq.size  # what every masked difference must read
         self.own_next = own[c]
         if slots is not None:
             self.slots_next = slots_next = slots[c]
@@ -563,6 +574,7 @@ class InstrumentedAllocator:
         s(self, "_w_consts", {})
         s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
         s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
+        s(self, "_w_roll_steps", np.arange(1, ps + 1, dtype=np.int64)[:, None])  # a roll's cycle (see _DecodeRoll)
         s(self, "_w_fast_alloc", not deferred and self._w_st.swa is None and ps == 1)
         # Immediate frees with a power-of-two page size > 1 on paged pools take the fast path first.
         s(
@@ -1380,12 +1392,14 @@ class InstrumentedAllocator:
         of a numpy reduction at this size. ``st``: the wrapper's ``_CallState`` (every read from it)."""
         st.roll = None  # reached when the roll is absent or does not vouch for this call: it is spent
         swa = st.swa
+        shadow = st.full.shadow
         if swa is None:
-            # The batch, to tell whether the last call here had the same (a roll is built on the second, see
-            # below; never on SWA allocators).
+            # How many calls here in a row had this batch with nothing else changing the pages' owners in
+            # between: what a roll would have lasted (it is built after _ROLL_AFTER, see below; never on SWA
+            # allocators). Updated on the way out of a verified call.
             key = bs if slots is None else slots.tobytes()
-            again = key == st.roll_key
-            st.roll_key = key
+            last = st.roll_key
+            streak = last[2] + 1 if last is not None and last[1] == shadow.version and last[0] == key else 1
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
@@ -1394,7 +1408,6 @@ class InstrumentedAllocator:
         if (o & smask).tobytes() != at.tobytes():
             return None  # slot_page_alignment, or a negative slot
         pages = o >> shift
-        shadow = st.full.shadow
         try:
             prev = shadow.owner[pages]
         except IndexError:
@@ -1430,8 +1443,11 @@ class InstrumentedAllocator:
             private = slots is not None
             if shadow.deltas is not None and bs:
                 shadow.note(pages, own, private=private)
-            if swa is not None and swa_shadow.deltas is not None and bs:
-                swa_shadow.note(swa_pages, own, private=private)
+            if swa is not None:
+                if swa_shadow.deltas is not None and bs:
+                    swa_shadow.note(swa_pages, own, private=private)
+            else:
+                st.roll_key = (key, shadow.version, streak)
             return 0
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
@@ -1461,6 +1477,8 @@ class InstrumentedAllocator:
             led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
+        if swa is None:
+            st.roll_key = (key, shadow.version, streak)
         # No cache on SWA allocators (see _DecodeRun), nor when two requests got one page (the call passes here as
         # on the general path, which reports the earlier request's next decode in that page): the caches hold
         # that every page of the batch reads its request's code.
@@ -1483,12 +1501,14 @@ class InstrumentedAllocator:
                 )
             else:
                 # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of
-                # the same batch are verified against what this one established. Built when the last call here had
-                # the same batch: building costs a few decodes' checks, which a batch that changes at every decode
-                # would pay each time for nothing. o: the caller's, copied.
-                if again:
+                # the same batch are verified against what this one established. Built once the batch has stayed
+                # (and nothing else changed the pages) for _ROLL_AFTER calls here: building costs a few decodes'
+                # checks, which a batch that changes every few decodes (requests joining and finishing, other
+                # requests' allocations in between) would pay again and again for a roll used a few times.
+                # o: the caller's, copied.
+                if streak >= _ROLL_AFTER:
                     st.run = None
-                    st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, st.ps)
+                    st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, self._w_roll_steps)
         return n_new
 
     def _decode_roll(self, st: _CallState, roll: _DecodeRoll, o: np.ndarray, seq: np.ndarray, slots, bs: int):

@@ -847,8 +847,15 @@ def _no_roll(monkeypatch):
     monkeypatch.setattr(wrapper, "_DecodeRoll", lambda *args: None)  # no roll is ever kept
 
 
+# A roll is built after _ROLL_AFTER verified decodes of one batch in a row; at 1 the scenarios' faults land on
+# decodes the roll verifies (or would), at the default on some before it exists.
+ROLL_AFTER = [1, wrapper._ROLL_AFTER]
+
+
+@pytest.mark.parametrize("roll_after", ROLL_AFTER)
 @pytest.mark.parametrize("scenario", ROLL_SCENARIOS, ids=lambda f: f.__name__)
-def test_decode_roll_reports_as_the_fast_and_the_general_path(scenario, monkeypatch):
+def test_decode_roll_reports_as_the_fast_and_the_general_path(scenario, roll_after, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", roll_after)
     with_roll = _outcome(scenario("immediate"))
     if scenario is not paged_decode_roll_free_between:  # see RUN_SCENARIOS on a free between decodes
         assert with_roll == _outcome(scenario("deferred"))  # no fast path at all
@@ -881,6 +888,7 @@ def _events(scenario, monkeypatch, roll: bool):
 
 @pytest.mark.parametrize("scenario", ROLL_SCENARIOS, ids=lambda f: f.__name__)
 def test_decode_roll_publishes_what_the_fast_path_publishes(scenario, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
     assert _events(scenario, monkeypatch, True) == _events(scenario, monkeypatch, False)
 
 
@@ -889,10 +897,10 @@ def test_decode_roll_verifies_a_mixed_batch_cycle_after_cycle(monkeypatch):
     calls = []
     real = InstrumentedAllocator._decode_fast
     monkeypatch.setattr(InstrumentedAllocator, "_decode_fast", lambda self, *a: calls.append(1) or real(self, *a))
-    for _ in range(4 * PS):
+    for _ in range(wrapper._ROLL_AFTER + 3 * PS):
         _decode(w, reqs)  # a new batch() each time: the same slots
         w.step()
-    assert len(calls) == 2  # the second decode of the batch built the roll; it verified every other one
+    assert len(calls) == wrapper._ROLL_AFTER  # the last of them built the roll; it verified every other one
     assert w._w_st.roll is not None and w._w_st.run is None
     assert not w.violations
     led = w.ledger
@@ -902,6 +910,8 @@ def test_decode_roll_verifies_a_mixed_batch_cycle_after_cycle(monkeypatch):
 
 
 def test_decode_roll_fault_raises_as_without_it(monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+
     def run():
         w = InstrumentedAllocator(paged(), mode="raise", verify="immediate")
         reqs = [Req(f"r{i}") for i in range(len(MIXED))]
@@ -973,8 +983,10 @@ def _random_mixed_engine(seed: int, verify: str = "immediate"):
     return w
 
 
+@pytest.mark.parametrize("roll_after", ROLL_AFTER)
 @pytest.mark.parametrize("seed", range(12))
-def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, monkeypatch):
+def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, roll_after, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", roll_after)
     with_roll = _outcome(_random_mixed_engine(seed))
     assert with_roll == _outcome(_random_mixed_engine(seed, "deferred"))
     _no_roll(monkeypatch)
@@ -986,7 +998,34 @@ def test_decode_roll_is_not_built_for_a_batch_that_changes_at_every_decode():
     for i in range(2 * PS):
         _decode(w, reqs[: 3 + i % 2])  # three requests, then four, then three ...
         assert w._w_st.roll is None
-    for _ in range(PS):
+    for _ in range(wrapper._ROLL_AFTER + PS):
         _decode(w, reqs[:3])  # the same batch from now on
     assert w._w_st.roll is not None
     assert not w.violations
+
+
+def test_decode_roll_is_not_built_while_other_allocations_come_between_decodes():
+    # Another request's allocation between decodes would drop a roll at once: none is built.
+    w, reqs = _start(paged, "immediate", lens=MIXED)
+    for i in range(3 * PS):
+        _extend(w, [Req(f"x{i}")], [1])
+        _decode(w, reqs)
+        assert w._w_st.roll is None
+    assert not w.violations
+
+
+def test_decode_roll_used_on_the_random_engines(monkeypatch):
+    # The random engines' decodes do reach the roll (the comparison above is not vacuous).
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+    used = []
+    real = InstrumentedAllocator._decode_roll
+
+    def counted(self, *args):
+        n = real(self, *args)
+        used.append(n is not None)
+        return n
+
+    monkeypatch.setattr(InstrumentedAllocator, "_decode_roll", counted)
+    for seed in range(4):
+        _random_mixed_engine(seed)
+    assert sum(used) > 20
