@@ -109,8 +109,7 @@ _TAINTING = frozenset(
 # nothing else changing the pages' owners in between. Building one costs what the roll saves on some 10 to 20
 # decodes (measured in the demo engine's step loop, where numpy's cold paths make it several times dearer than
 # in a tight loop), so it pays only on a batch that stays: in an engine whose batch changes every few decodes
-# (requests joining and finishing, other requests' allocations in between) it is never built, and a batch that
-# stayed this long at most doubles the decodes it would have needed to pay.
+# (requests joining and finishing, other requests' allocations in between) it is (almost) never built.
 _ROLL_AFTER = 16
 _ONE_B = np.ones(1, np.int64).tobytes()  # the bytes of int64 1
 
@@ -1477,38 +1476,39 @@ class InstrumentedAllocator:
             led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
-        if swa is None:
-            st.roll_key = (key, shadow.version, streak)
-        # No cache on SWA allocators (see _DecodeRun), nor when two requests got one page (the call passes here as
-        # on the general path, which reports the earlier request's next decode in that page): the caches hold
-        # that every page of the batch reads its request's code.
-        if swa is None and (slots is None or shadow.owner[pages].tobytes() == own.tobytes()):
-            if opens is None:
-                # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
-                # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every
-                # request; nothing on other calls. pages: computed here, never written again (shared with the
-                # page delta).
-                steps = st.steps
-                st.run = _DecodeRun(
-                    shadow,
-                    st.ledger.version,
-                    None if slots is None else slots.tobytes(),
-                    own,
-                    pages,
-                    (o + steps).tobytes(),
-                    (seq + steps).tobytes(),
-                    o.nbytes,
-                )
-            else:
-                # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of
-                # the same batch are verified against what this one established. Built once the batch has stayed
-                # (and nothing else changed the pages) for _ROLL_AFTER calls here: building costs a few decodes'
-                # checks, which a batch that changes every few decodes (requests joining and finishing, other
-                # requests' allocations in between) would pay again and again for a roll used a few times.
-                # o: the caller's, copied.
-                if streak >= _ROLL_AFTER:
-                    st.run = None
-                    st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, self._w_roll_steps)
+        if swa is not None:
+            return n_new  # no cache on SWA allocators (see _DecodeRun)
+        st.roll_key = (key, shadow.version, streak)
+        # A roll is built once the batch has stayed (and nothing else changed the pages) for _ROLL_AFTER calls
+        # here: building one costs many decodes' checks, which a batch that changes every few decodes (requests
+        # joining and finishing, other requests' allocations in between) would pay again and again.
+        if opens is not None and streak < _ROLL_AFTER:
+            return n_new
+        # No cache either when two requests got one page (the call passes here as on the general path, which
+        # reports the earlier request's next decode in that page): both hold that every page of the batch reads
+        # its request's code.
+        if slots is not None and shadow.owner[pages].tobytes() != own.tobytes():
+            return n_new
+        if opens is None:
+            # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
+            # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
+            # nothing on other calls. pages: computed here, never written again (shared with the page delta).
+            steps = st.steps
+            st.run = _DecodeRun(
+                shadow,
+                st.ledger.version,
+                None if slots is None else slots.tobytes(),
+                own,
+                pages,
+                (o + steps).tobytes(),
+                (seq + steps).tobytes(),
+                o.nbytes,
+            )
+        else:
+            # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of the
+            # same batch are verified against what this one established. o: the caller's, copied.
+            st.run = None
+            st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, self._w_roll_steps)
         return n_new
 
     def _decode_roll(self, st: _CallState, roll: _DecodeRoll, o: np.ndarray, seq: np.ndarray, slots, bs: int):

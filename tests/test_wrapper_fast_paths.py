@@ -28,6 +28,10 @@ def swa():
     return SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False)
 
 
+def big_paged():
+    return PagedTokenToKVPoolAllocator(1024, PS, torch.float16, "cpu", None, False)
+
+
 def _extend(w, reqs, lens):
     with w.batch([r.rid for r in reqs]):
         out = w.alloc_extend(*extend_args(reqs, lens))
@@ -893,13 +897,15 @@ def test_decode_roll_publishes_what_the_fast_path_publishes(scenario, monkeypatc
 
 
 def test_decode_roll_verifies_a_mixed_batch_cycle_after_cycle(monkeypatch):
-    w, reqs = _start(paged, "immediate", lens=MIXED)
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
     calls = []
     real = InstrumentedAllocator._decode_fast
     monkeypatch.setattr(InstrumentedAllocator, "_decode_fast", lambda self, *a: calls.append(1) or real(self, *a))
-    for _ in range(wrapper._ROLL_AFTER + 3 * PS):
+    n = wrapper._ROLL_AFTER + 3 * PS
+    for _ in range(n):
         _decode(w, reqs)  # a new batch() each time: the same slots
         w.step()
+    assert [r.seq for r in reqs] == [x + n for x in MIXED]  # every decode got its slots
     assert len(calls) == wrapper._ROLL_AFTER  # the last of them built the roll; it verified every other one
     assert w._w_st.roll is not None and w._w_st.run is None
     assert not w.violations
@@ -994,8 +1000,8 @@ def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, roll_aft
 
 
 def test_decode_roll_is_not_built_for_a_batch_that_changes_at_every_decode():
-    w, reqs = _start(paged, "immediate", lens=MIXED)
-    for i in range(2 * PS):
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    for i in range(wrapper._ROLL_AFTER + 2 * PS):
         _decode(w, reqs[: 3 + i % 2])  # three requests, then four, then three ...
         assert w._w_st.roll is None
     for _ in range(wrapper._ROLL_AFTER + PS):
@@ -1006,11 +1012,14 @@ def test_decode_roll_is_not_built_for_a_batch_that_changes_at_every_decode():
 
 def test_decode_roll_is_not_built_while_other_allocations_come_between_decodes():
     # Another request's allocation between decodes would drop a roll at once: none is built.
-    w, reqs = _start(paged, "immediate", lens=MIXED)
-    for i in range(3 * PS):
-        _extend(w, [Req(f"x{i}")], [1])
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    for i in range(wrapper._ROLL_AFTER + 2 * PS):
+        other = Req(f"x{i}")
+        _extend(w, [other], [1])
         _decode(w, reqs)
         assert w._w_st.roll is None
+        w.free(t(other.row))
+        w.release_request(other.rid)
     assert not w.violations
 
 
