@@ -10,7 +10,8 @@ Contract:
   evicted lengths, committed <= allocated, evicted <= allocated, evicted monotonic while the request holds KV,
   nothing inside the sliding window evicted (``seq_len`` is the committed length).
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
-  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``).
+  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``,
+  ``wrapper._DecodeRoll``).
 - Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
 """

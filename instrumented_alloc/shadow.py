@@ -13,7 +13,8 @@ Contract:
   it can exceed the number of free pages after a double free (the inner then lists a page twice).
 - ``version`` counts the changes of ``owner`` (every write goes through ``_set`` or ``clear``): equal versions
   mean an unchanged ``owner``, which is what lets the wrapper skip re-reading pages it verified (see
-  ``wrapper._DecodeRun``). Any new writer of ``owner`` must go through ``_set`` or bump it.
+  ``wrapper._DecodeRun``, ``wrapper._DecodeRoll``). Any new writer of ``owner`` must go through ``_set`` or bump
+  it (the decode roll writes ``owner`` directly and bumps it).
 - Not thread-safe by itself (the wrapper serialises).
 """
 

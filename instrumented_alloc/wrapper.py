@@ -107,6 +107,14 @@ _TAINTING = frozenset(
     }
 )
 
+# The decode fast path builds a _DecodeRoll once a mixed batch has been verified this many times in a row with
+# nothing else changing the pages' owners in between. Building one costs what the roll saves on some 10 to 20
+# decodes (measured in the demo engine's step loop, where numpy's cold paths make it several times dearer than
+# in a tight loop), so it pays only on a batch that stays: in an engine whose batch changes every few decodes
+# (requests joining and finishing, other requests' allocations in between) it is (almost) never built.
+_ROLL_AFTER = 16
+_ONE_B = np.ones(1, np.int64).tobytes()  # the bytes of int64 1
+
 # A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
 _FEW_DIRTY = 8
 
@@ -129,7 +137,8 @@ class _CallState:
       paths and readers outside), except ``need_sort``, ``inner_checks``, ``atomic_free``, ``host``,
       ``capture_before``, ``fast_*``, ``consts`` and ``steps``, held here only (the wrapper's ``_w_*`` names for
       them are properties: its instance dict must stay within 30 names, see ``InstrumentedAllocator``);
-    - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
+    - the per-wrapper values that are reassigned (``run``, ``roll``: the decode fast path's ``_DecodeRun`` and
+      ``_DecodeRoll``, at most one of them set, ``roll_key``: what decides when a roll is worth building; ``pools``,
       ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
       wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
       and write these slots;
@@ -162,6 +171,8 @@ class _CallState:
         "pools",
         "ps",
         "raising",
+        "roll",
+        "roll_key",
         "run",
         "seq",
         "shift",
@@ -195,6 +206,9 @@ class _CallState:
         self.bus = bus
         self.to_raise = to_raise
         self.run = None  # the decode fast path's _DecodeRun (one pool, immediate verification)
+        self.roll = None  # the decode fast path's _DecodeRoll (one pool, immediate verification)
+        # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
+        self.roll_key = None
         self.ledger = self.pools = self.full = self.swa = self.one_pool = None  # set by the wrapper's __init__
 
 
@@ -238,6 +252,107 @@ class _DecodeRun:
         self.seq_rows = seq_rows
         self.row = row
         self.end = row  # where the next call's row ends (past the rows: the run is spent)
+
+
+class _DecodeRoll:
+    """What the decode fast path knows after a verified decode of a batch whose requests open their pages at
+    different decodes (a sixteenth of the batch at each decode at page size 16: what a real engine's batch does),
+    so that the following decodes of the same requests are verified with two array operations on the whole batch
+    and a few on the requests that open a page at that decode only, for as long as the batch stays the same.
+
+    Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
+    recorded after this cache's own last write): ``last`` (this cache's own array) is the last verified call's
+    slots, each at its position's offset in a page whose owner reads ``own`` (the request's code), and the
+    ledger's page counts of the batch's requests are those read at creation plus the pages this cache opened
+    (nothing else writes them without bumping one of the two versions).
+
+    The rows repeat with period ps (every length grows by 1 per decode): row ``k`` (0 <= k < ps) of a cycle
+    expects the lengths ``seq_rows`` row k (the creating call's + k + 1, + ps per cycle done); the requests that
+    open a page at row ``k`` (length % ps == 1), each exactly once per cycle, are ``c[cuts[k]:cuts[k + 1]]``
+    (ascending), with their owner codes, ledger slots, page counts and allocated lengths after the opening at the
+    same places in ``own_next``, ``slots_next``, ``owned_next`` (+ 1 per cycle) and ``alloc_next`` (+ ps per
+    cycle). ``keep[k]`` is all bits for a request that continues its page at row k, the offset bits for one that
+    opens one. A call whose lengths are exactly the row's and whose slots less ``last``, masked by ``keep[k]``,
+    all read 1 passes every check of the general path: a request that continues got ``last + 1`` (``last`` was
+    not at its page's last offset, or it would open a page now), the same page, which it owns; one that opens got
+    a slot at offset 0 (as ``last + 1``: ``last`` sat at the page's last offset), whose page is then checked as
+    the general path checks it (free; a page outside the pool, or a negative slot's, reads as reserved). Its ledger
+    values are what the general path writes (``allocated`` = length + ps - 1, page counts + 1). Anything else
+    returns to the general fast path, which drops this cache. SWA allocators keep none (their peers are read from
+    a mapping the inner may change)."""
+
+    __slots__ = (
+        "alloc_next",
+        "c",
+        "cuts",
+        "end",
+        "k",
+        "keep",
+        "last",
+        "ledger_version",
+        "ones_b",
+        "own",
+        "own_next",
+        "owned_next",
+        "row",
+        "rows",
+        "seq_rows",
+        "shadow",
+        "slots",
+        "slots_b",
+        "slots_next",
+        "version",
+    )
+
+    def __init__(self, shadow, ledger, slots, own, last: np.ndarray, seq: np.ndarray, steps: np.ndarray):
+        """``last``: this cache's own copy of the verified call's slots; ``seq``: its lengths (read here only);
+        ``slots``: the batch's ledger slots (None: unattributed; read-only), ``own`` their owner codes (read-only,
+        the same shape); ``steps``: the column 1 .. ps (read-only)."""
+        ps = steps.shape[0]
+        self.shadow = shadow
+        self.version = shadow.version
+        self.ledger_version = ledger.version
+        self.slots = slots
+        self.slots_b = None if slots is None else slots.tobytes()
+        self.own = own
+        self.last = last
+        mask = ps - 1
+        self.rows = rows = seq + steps  # a cycle's lengths, a row each
+        self.seq_rows = rows.tobytes()
+        # The row at which each request opens a page ((seq + k + 1) % ps == 1), and the requests by that row,
+        # ascending within a row (a stable sort), cut by row.
+        at = -seq
+        at &= mask
+        c = np.argsort(at, kind="stable")
+        self.c = c
+        self.cuts = [0, *np.bincount(at, minlength=ps).cumsum().tolist()]
+        keep = (rows & mask) == 1
+        keep = keep * ps
+        keep -= 1
+        self.keep = list(keep)  # the rows (views), indexed per call without making one
+        self.ones_b = _ONE_B * seq.size  # what every masked difference must read
+        self.own_next = own[c]
+        if slots is not None:
+            self.slots_next = slots_next = slots[c]
+            self.owned_next = [(name, arr[slots_next] + 1) for name, arr in ledger.owned.items()]
+            alloc = seq[c] + at[c]
+            alloc += ps  # the opening row's length (seq + k + 1) + ps - 1
+            self.alloc_next = alloc
+        self.row = seq.nbytes
+        self.end = self.row  # where the next call's row ends in seq_rows
+        self.k = 0  # the next call's row
+
+    def next_cycle(self) -> None:
+        """Past the cycle's last row: the same requests open at the same rows, ps tokens further."""
+        ps = len(self.keep)
+        self.rows += ps
+        self.seq_rows = self.rows.tobytes()
+        if self.slots is not None:
+            for _, vals in self.owned_next:
+                vals += 1
+            self.alloc_next += ps
+        self.k = 0
+        self.end = self.row
 
 
 class _Pool:
@@ -544,6 +659,7 @@ class InstrumentedAllocator:
         s(self, "_w_consts", {})
         s(self, "_w_run", None)  # the decode fast path's _DecodeRun (one pool, immediate verification)
         s(self, "_w_steps", np.arange(1, ps, dtype=np.int64)[:, None])  # a run's decodes after its opening one
+        s(self, "_w_roll_steps", np.arange(1, ps + 1, dtype=np.int64)[:, None])  # a roll's cycle (see _DecodeRoll)
         s(self, "_w_fast_alloc", not deferred and self._w_st.swa is None and ps == 1)
         # Immediate frees with a power-of-two page size > 1 on paged pools take the fast path first.
         s(
@@ -1188,7 +1304,11 @@ class InstrumentedAllocator:
                         run.shadow.note(run.pages, run.own, private=slots is not None)
                     n_new = 0
                 else:
-                    n_new = self._decode_fast(st, o, seq, slots, bound, bs)
+                    roll = st.roll
+                    if roll is not None:
+                        n_new = self._decode_roll(st, roll, o, seq, slots, bs)
+                    if n_new is None:
+                        n_new = self._decode_fast(st, o, seq, slots, bound, bs)
             if n_new is not None:
                 if slots is not None and st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
@@ -1255,6 +1375,8 @@ class InstrumentedAllocator:
             if s is not None:
                 check(s, swa_pool, "swa")
 
+        st = self._w_st
+        st.roll = None  # the pages change below (or are reported); a run is dropped by the shadow's version
         if swa_pool is not None:
             self._slot_tier(verify, out, self._swa_peer(out))
         else:
@@ -1263,7 +1385,6 @@ class InstrumentedAllocator:
             self._emit_alloc(op, got, n_new, dt)
             if swa_pool is not None:
                 self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-        st = self._w_st
         if st.events or st.to_raise:
             self._finish()
         return out
@@ -1366,6 +1487,16 @@ class InstrumentedAllocator:
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
         of a numpy reduction at this size. ``st``: the wrapper's ``_CallState`` (every read from it)."""
+        st.roll = None  # reached when the roll is absent or does not vouch for this call: it is spent
+        swa = st.swa
+        shadow = st.full.shadow
+        if swa is None:
+            # How many calls here in a row had this batch with nothing else changing the pages' owners in
+            # between: what a roll would have lasted (it is built after _ROLL_AFTER, see below; never on SWA
+            # allocators). Updated on the way out of a verified call.
+            key = bs if slots is None else slots.tobytes()
+            last = st.roll_key
+            streak = last[2] + 1 if last is not None and last[1] == shadow.version and last[0] == key else 1
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
         mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
@@ -1374,12 +1505,10 @@ class InstrumentedAllocator:
         if (o & smask).tobytes() != at.tobytes():
             return None  # slot_page_alignment, or a negative slot
         pages = o >> shift
-        shadow = st.full.shadow
         try:
             prev = shadow.owner[pages]
         except IndexError:
             return None  # a page past the end
-        swa = st.swa
         if swa is not None:
             # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
             peers = st.inner.full_to_swa_index_mapping.numpy()[o]
@@ -1398,7 +1527,7 @@ class InstrumentedAllocator:
             own = bound[3]
             if own is None:
                 own = bound[3] = slots.astype(np.int32)
-                own.flags.writeable = False  # shared by this block's page deltas (see _bind)
+                own.setflags(write=False)  # shared by this block's page deltas (see _bind)
         if n_new == 0:
             own_b = own.tobytes()
             if prev.tobytes() != own_b or (swa is not None and swa_prev.tobytes() != own_b):
@@ -1411,8 +1540,11 @@ class InstrumentedAllocator:
             private = slots is not None
             if shadow.deltas is not None and bs:
                 shadow.note(pages, own, private=private)
-            if swa is not None and swa_shadow.deltas is not None and bs:
-                swa_shadow.note(swa_pages, own, private=private)
+            if swa is not None:
+                if swa_shadow.deltas is not None and bs:
+                    swa_shadow.note(swa_pages, own, private=private)
+            else:
+                st.roll_key = (key, shadow.version, streak)
             return 0
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
@@ -1442,7 +1574,20 @@ class InstrumentedAllocator:
             led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
-        if opens is None and swa is None:
+        if swa is not None:
+            return n_new  # no cache on SWA allocators (see _DecodeRun)
+        st.roll_key = (key, shadow.version, streak)
+        # A roll is built once the batch has stayed (and nothing else changed the pages) for _ROLL_AFTER calls
+        # here: building one costs many decodes' checks, which a batch that changes every few decodes (requests
+        # joining and finishing, other requests' allocations in between) would pay again and again.
+        if opens is not None and streak < _ROLL_AFTER:
+            return n_new
+        # No cache either when two requests got one page (the call passes here as on the general path, which
+        # reports the earlier request's next decode in that page): both hold that every page of the batch reads
+        # its request's code.
+        if slots is not None and shadow.owner[pages].tobytes() != own.tobytes():
+            return n_new
+        if opens is None:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
             # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
             # nothing on other calls. pages: computed here, never written again (shared with the page delta).
@@ -1457,6 +1602,81 @@ class InstrumentedAllocator:
                 (seq + steps).tobytes(),
                 o.nbytes,
             )
+        else:
+            # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of the
+            # same batch are verified against what this one established. o: the caller's, copied.
+            st.run = None
+            st.roll = _DecodeRoll(shadow, st.ledger, slots, own, o.copy(), seq, self._w_roll_steps)
+        return n_new
+
+    def _decode_roll(self, st: _CallState, roll: _DecodeRoll, o: np.ndarray, seq: np.ndarray, slots, bs: int):
+        """The decode fast path on a batch the roll vouches for (see ``_DecodeRoll``): the number of pages opened,
+        having applied what ``_decode_fast`` applies to the call (ledger lengths and page counts, the shadow, the
+        free count, the same page delta), or None having changed nothing (``_decode_fast`` then judges the call
+        and drops the roll). ``st``: the wrapper's ``_CallState``."""
+        end = roll.end
+        row = roll.row
+        if (
+            seq.tobytes() != roll.seq_rows[end - row : end]
+            or o.dtype is not _I64
+            or seq.dtype is not _I64
+            or roll.shadow is not st.full.shadow
+            or roll.version != roll.shadow.version
+            or roll.ledger_version != st.ledger.version
+            or not (slots is roll.slots or (slots is not None and roll.slots_b == slots.tobytes()))
+        ):
+            return None
+        k = roll.k
+        # Every slot less the last one, masked by the row's keep, reads 1 (see _DecodeRoll; wrapping int64
+        # arithmetic: a difference whose 64 bits read 1 is o == last + 1).
+        d = o - roll.last
+        d &= roll.keep[k]
+        if d.tobytes() != roll.ones_b:
+            return None
+        a, b = roll.cuts[k], roll.cuts[k + 1]
+        n_new = b - a
+        shadow = roll.shadow
+        if n_new:
+            shift, free = (st.consts.get(n_new) or self._decode_consts(n_new))[3::3]
+            pages = o[roll.c[a:b]] >> shift
+            # A page outside the pool (or a negative slot's) reads as reserved (the clipped gather, see
+            # PoolShadow): not free.
+            if np.maximum(shadow._owner_ext.take(pages, mode="clip"), free).tobytes() != free.tobytes():
+                return None  # a page in use or reserved
+            if slots is not None:
+                led = st.ledger
+                led.committed[slots] = seq
+                openers = roll.slots_next[a:b]
+                owned = led.owned
+                for name, vals in roll.owned_next:
+                    owned[name][openers] = vals[a:b]
+                led.allocated[openers] = roll.alloc_next[a:b]
+            # Only the openers' pages change: every other page of the batch reads own already (the invariant).
+            # Ascending requests: a page handed out twice in the call ends as the general path leaves it.
+            own_next = roll.own_next[a:b]
+            shadow.owner[pages] = own_next
+            shadow.version += 1
+            shadow.expected_entries -= n_new
+            # Two requests that got one page (the general path accepts this call as well, and reports the earlier
+            # one's next decode in it) break the roll's invariant: the next call goes to the general fast path.
+            shared = slots is not None and shadow.owner[pages].tobytes() != own_next.tobytes()
+        else:
+            shared = False
+            if slots is not None:
+                st.ledger.committed[slots] = seq
+        if shadow.deltas is not None:
+            # The delta the general fast path records: every page of the batch, as its owner reads (pages: fresh).
+            shadow.note(o >> (st.consts.get(bs) or self._decode_consts(bs))[3], roll.own, private=slots is not None)
+        if shared:
+            st.roll = None
+            return n_new
+        roll.last = o.copy()  # the caller's: copied
+        roll.version = shadow.version
+        if k + 1 < len(roll.keep):
+            roll.k = k + 1
+            roll.end = end + row
+        else:
+            roll.next_cycle()
         return n_new
 
     # -- free ops ---------------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ def swa():
     return SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False)
 
 
+def big_paged():
+    return PagedTokenToKVPoolAllocator(1024, PS, torch.float16, "cpu", None, False)
+
+
 def _extend(w, reqs, lens):
     with w.batch([r.rid for r in reqs]):
         out = w.alloc_extend(*extend_args(reqs, lens))
@@ -192,6 +196,16 @@ def paged_decode_run_repeated(verify):
         with w.batch([r.rid for r in reqs]):
             w.alloc_decode(*args)
     w.step()
+    return w
+
+
+def paged_decode_run_opened_twice(verify):
+    # The inner lists a free page twice: two requests of a batch in step get it at the same decode (the call
+    # passes, the later request owns the page); the earlier one's next decode in that page is reported.
+    w, reqs = _start(paged, verify)
+    w.inner.free_pages = torch.cat([w.inner.free_pages[:1], w.inner.free_pages])
+    _decode(w, reqs)
+    _decode(w, reqs)
     return w
 
 
@@ -398,6 +412,7 @@ SCENARIOS = [
     paged_decode_run_ledger_write_between,
     paged_decode_run_lengths_skip,
     paged_decode_run_repeated,
+    paged_decode_run_opened_twice,
     paged_decode_run_unbound,
     paged_frees_clean,
     swa_frees_clean,
@@ -448,6 +463,7 @@ RUN_SCENARIOS = [
     paged_decode_run_ledger_write_between,
     paged_decode_run_lengths_skip,
     paged_decode_run_repeated,
+    paged_decode_run_opened_twice,
     paged_decode_run_unbound,
 ]
 
@@ -633,3 +649,392 @@ def test_few_and_many_changed_requests_compare_alike(monkeypatch):
     few = _ledger_mismatches(True, monkeypatch)
     assert few == _ledger_mismatches(False, monkeypatch)
     assert [(v[2], v[3]) for v in few] == [("r0", "full"), ("r3", "full"), ("r1", "swa"), ("r3", "swa"), ("r1", "swa")]
+
+
+# The decode roll (wrapper._DecodeRoll): after a verified decode of a batch whose requests open their pages at
+# different decodes, the following decodes of the same requests are verified against it, cycle after cycle.
+# Every scenario starts from four requests one token apart (PS = 4): one of them opens a page at each decode.
+MIXED = (PS, PS + 1, PS + 2, PS + 3)
+
+
+def _decode_with(w, reqs, change):
+    """One decode of ``reqs`` whose last_loc is changed by ``change`` (a list of slots -> the list passed)."""
+    seq, _, _ = decode_args(reqs)
+    last = change([r.row[-1] for r in reqs])
+    with w.batch([r.rid for r in reqs]):
+        out = w.alloc_decode(seq, seq.clone(), t(last))
+    if out is not None:
+        for r, slot in zip(reqs, out.tolist()):
+            r.row.append(slot)
+
+
+def _continuer(reqs):
+    """A request whose next decode continues its page (its last slot is not at a page's last offset)."""
+    return next(i for i, r in enumerate(reqs) if (r.seq + 1) % PS != 1)
+
+
+def paged_decode_roll_clean(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(3 * PS + 1):  # past several cycles of the roll
+        _decode(w, reqs)
+        w.step()
+    return w
+
+
+def paged_decode_roll_misaligned(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(PS + 2):
+        _decode(w, reqs)
+    i = _continuer(reqs)
+
+    def off_by_one(last):
+        last[i] += 1
+        return last
+
+    _decode_with(w, reqs, off_by_one)  # a continuing request one slot further: slot_page_alignment
+    _decode(w, reqs)
+    return w
+
+
+def paged_decode_roll_wrong_owner(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(3):
+        _decode(w, reqs)
+    i = _continuer(reqs)
+    j = (i + 1) % len(reqs)
+
+    def into_another_page(last):
+        last[i] = reqs[j].row[-1] // PS * PS + last[i] % PS  # the same offset, in another request's page
+        return last
+
+    _decode_with(w, reqs, into_another_page)
+    return w
+
+
+def _listed_first(w, page: int) -> None:
+    w.inner.free_pages = torch.cat([t([page]), w.inner.free_pages])
+
+
+def paged_decode_roll_page_in_use(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(PS + 1):
+        _decode(w, reqs)
+    _listed_first(w, reqs[0].row[0] // PS)  # the next opener gets a page in use: duplicate_allocation
+    _decode(w, reqs)
+    _decode(w, reqs)
+    return w
+
+
+def paged_decode_roll_reserved_page(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(2):
+        _decode(w, reqs)
+    _listed_first(w, 0)
+    _decode(w, reqs)
+    return w
+
+
+def paged_decode_roll_page_outside(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(2):
+        _decode(w, reqs)
+    _listed_first(w, 10_000)  # past the pool's last page
+    _decode(w, reqs)
+    return w
+
+
+def paged_decode_roll_opened_twice(verify):
+    # Two requests of one batch open a page at the same decode and get the same free page (the inner lists it
+    # twice): what each path records must agree (the later request ends as the page's owner).
+    w, reqs = _start(paged, verify, lens=(PS, PS, PS + 1, PS + 2))
+    for _ in range(PS):
+        _decode(w, reqs)
+    page = int(w.inner.free_pages[0])
+    _listed_first(w, page)
+    _decode(w, reqs)
+    _decode(w, reqs)
+    return w
+
+
+def paged_decode_roll_free_between(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(3):
+        _decode(w, reqs)
+    w.free(t(reqs[_continuer(reqs)].row))  # a continuing request's pages go back to the free list
+    _decode(w, reqs)  # exactly what the roll expects, but it no longer vouches for it
+    return w
+
+
+def paged_decode_roll_ledger_write_between(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(3):
+        _decode(w, reqs)
+    w.ledger[reqs[1].rid].kv_allocated_len = 4 * PS  # accepted, but no longer what its pages say
+    for _ in range(PS):
+        _decode(w, reqs)
+    w.step()
+    return w
+
+
+def paged_decode_roll_other_request_between(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(3):
+        _decode(w, reqs)
+    other = [Req("x")]
+    _extend(w, other, [PS + 1])  # another request's extend (the pool's owners change)
+    for _ in range(2):
+        _decode(w, reqs)
+    _decode(w, reqs[:3])  # a smaller batch: another batch, full check
+    _decode(w, reqs + other)
+    return w
+
+
+def paged_decode_roll_lengths_skip(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(2):
+        _decode(w, reqs)
+    seq, _, last = decode_args(reqs)
+    with w.batch([r.rid for r in reqs]):
+        w.alloc_decode(seq + 1, seq + 1, last)  # slots as the roll expects, lengths one too far
+    return w
+
+
+def paged_decode_roll_repeated(verify):
+    w, reqs = _start(paged, verify, lens=MIXED)
+    for _ in range(2):
+        _decode(w, reqs)
+    args = decode_args(reqs)
+    for _ in range(2):  # the same decode twice: the second repeats the first's slots
+        with w.batch([r.rid for r in reqs]):
+            w.alloc_decode(*args)
+    w.step()
+    return w
+
+
+def paged_decode_roll_unbound(verify):
+    w = InstrumentedAllocator(paged(), mode="record", verify=verify)
+    reqs = [Req(f"r{i}") for i in range(len(MIXED))]
+    split_extend(reqs, list(MIXED), w.alloc_extend(*extend_args(reqs, list(MIXED))))  # no batch(): unattributed
+    for _ in range(2 * PS + 1):
+        out = w.alloc_decode(*decode_args(reqs))
+        for r, slot in zip(reqs, out.tolist()):
+            r.row.append(slot)
+        w.step()
+    _listed_first(w, reqs[0].row[0] // PS)
+    w.alloc_decode(*decode_args(reqs))
+    return w
+
+
+ROLL_SCENARIOS = [
+    paged_decode_roll_clean,
+    paged_decode_roll_misaligned,
+    paged_decode_roll_wrong_owner,
+    paged_decode_roll_page_in_use,
+    paged_decode_roll_reserved_page,
+    paged_decode_roll_page_outside,
+    paged_decode_roll_opened_twice,
+    paged_decode_roll_free_between,
+    paged_decode_roll_ledger_write_between,
+    paged_decode_roll_other_request_between,
+    paged_decode_roll_lengths_skip,
+    paged_decode_roll_repeated,
+    paged_decode_roll_unbound,
+]
+ROLL_CLEAN = {
+    paged_decode_roll_clean,
+    paged_decode_roll_ledger_write_between,  # the decodes bring the pages back to what the ledger says
+    paged_decode_roll_other_request_between,
+}
+
+
+def _no_roll(monkeypatch):
+    monkeypatch.setattr(wrapper, "_DecodeRoll", lambda *args: None)  # no roll is ever kept
+
+
+# A roll is built after _ROLL_AFTER verified decodes of one batch in a row; at 1 the scenarios' faults land on
+# decodes the roll verifies (or would), at the default on some before it exists.
+ROLL_AFTER = [1, wrapper._ROLL_AFTER]
+
+
+@pytest.mark.parametrize("roll_after", ROLL_AFTER)
+@pytest.mark.parametrize("scenario", ROLL_SCENARIOS, ids=lambda f: f.__name__)
+def test_decode_roll_reports_as_the_fast_and_the_general_path(scenario, roll_after, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", roll_after)
+    with_roll = _outcome(scenario("immediate"))
+    if scenario is not paged_decode_roll_free_between:  # see RUN_SCENARIOS on a free between decodes
+        assert with_roll == _outcome(scenario("deferred"))  # no fast path at all
+    _no_roll(monkeypatch)
+    assert with_roll == _outcome(scenario("immediate"))
+    assert bool(with_roll[0]) == (scenario not in ROLL_CLEAN)
+
+
+def _events(scenario, monkeypatch, roll: bool):
+    got = []
+    real = InstrumentedAllocator.__init__
+
+    def init(self, inner, **kwargs):
+        real(self, inner, **{**kwargs, "sinks": [got.extend]})  # every kind built: page deltas, ledger updates
+
+    with monkeypatch.context() as m:
+        m.setattr(InstrumentedAllocator, "__init__", init)
+        if not roll:
+            _no_roll(m)
+        scenario("immediate").flush()
+    out = []
+    for e in got:
+        fields = {k: v for k, v in vars(e).items() if k not in ("ts", "duration")}
+        if "violation" in fields:
+            v = fields["violation"]
+            fields["violation"] = (v.invariant, v.message, v.rid, v.pool, v.op, v.step)
+        out.append((type(e).__name__, {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}))
+    return out
+
+
+@pytest.mark.parametrize("scenario", ROLL_SCENARIOS, ids=lambda f: f.__name__)
+def test_decode_roll_publishes_what_the_fast_path_publishes(scenario, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+    assert _events(scenario, monkeypatch, True) == _events(scenario, monkeypatch, False)
+
+
+def test_decode_roll_verifies_a_mixed_batch_cycle_after_cycle(monkeypatch):
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    calls = []
+    real = InstrumentedAllocator._decode_fast
+    monkeypatch.setattr(InstrumentedAllocator, "_decode_fast", lambda self, *a: calls.append(1) or real(self, *a))
+    n = wrapper._ROLL_AFTER + 3 * PS
+    for _ in range(n):
+        _decode(w, reqs)  # a new batch() each time: the same slots
+        w.step()
+    assert [r.seq for r in reqs] == [x + n for x in MIXED]  # every decode got its slots
+    assert len(calls) == wrapper._ROLL_AFTER  # the last of them built the roll; it verified every other one
+    assert w._w_st.roll is not None and w._w_st.run is None
+    assert not w.violations
+    led = w.ledger
+    for r in reqs:
+        assert led[r.rid].kv_allocated_len == -(-r.seq // PS) * PS
+        assert led.owned["full"][led.slot_of(r.rid)] == -(-r.seq // PS)
+
+
+def test_decode_roll_fault_raises_as_without_it(monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+
+    def run():
+        w = InstrumentedAllocator(paged(), mode="raise", verify="immediate")
+        reqs = [Req(f"r{i}") for i in range(len(MIXED))]
+        _extend(w, reqs, list(MIXED))
+        for _ in range(PS + 1):
+            _decode(w, reqs)
+        _listed_first(w, reqs[0].row[0] // PS)
+        with pytest.raises(InvariantViolation) as info:
+            _decode(w, reqs)
+        v = info.value.violation
+        led = w.ledger
+        return (
+            (v.invariant, v.message, v.rid, v.pool, v.op),
+            w.inner.free_pages.tolist(),
+            w._w_full.shadow.owner.tolist(),
+            [
+                (int(led.allocated[s]), int(led.committed[s]), int(led.owned["full"][s]))
+                for s in (led.slot_of(r.rid) for r in reqs)
+            ],
+        )
+
+    with_roll = run()
+    _no_roll(monkeypatch)
+    assert run() == with_roll
+    assert with_roll[0][0] == "duplicate_allocation"
+
+
+def _random_mixed_engine(seed: int, verify: str = "immediate"):
+    """A seeded engine whose requests have any length (so that they open pages at different decodes), with frees,
+    new requests, ledger writes and injected faults (an in-use page listed as free, page 0 listed, a request's
+    last_loc one off) between decodes."""
+    rng = np.random.default_rng(seed)
+    w = InstrumentedAllocator(
+        PagedTokenToKVPoolAllocator(2048, PS, torch.float16, "cpu", None, False), mode="record", verify=verify
+    )
+    live = [Req(f"r{i}") for i in range(5)]
+    _extend(w, live, [int(x) for x in rng.integers(1, 3 * PS, len(live))])
+    n = len(live)
+    for _ in range(80):
+        roll = rng.random()
+        if roll < 0.05 and live:
+            victim = live.pop(int(rng.integers(len(live))))
+            w.free(t(victim.row))
+            w.release_request(victim.rid)
+        elif roll < 0.10:
+            new = [Req(f"r{n}")]
+            n += 1
+            _extend(w, new, [int(rng.integers(1, 3 * PS))])
+            live += new
+        elif roll < 0.13 and live:
+            r = live[int(rng.integers(len(live)))]
+            w.ledger[r.rid].kv_committed_len = r.seq  # a checked write of the value it has
+        elif roll < 0.15 and live:
+            r = live[int(rng.integers(len(live)))]
+            _listed_first(w, r.row[-1] // PS)  # fault: a page in use listed as free
+        elif roll < 0.16:
+            _listed_first(w, 0)  # fault: the reserved page listed as free
+        elif roll < 0.18 and live:
+            i = int(rng.integers(len(live)))
+
+            def off(last, i=i):
+                last[i] += 1
+                return last
+
+            _decode_with(w, live, off)  # fault: a request's last_loc one off
+        if live:
+            _decode(w, live)
+        w.step()
+    return w
+
+
+@pytest.mark.parametrize("roll_after", ROLL_AFTER)
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, roll_after, monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", roll_after)
+    with_roll = _outcome(_random_mixed_engine(seed))
+    assert with_roll == _outcome(_random_mixed_engine(seed, "deferred"))
+    _no_roll(monkeypatch)
+    assert _outcome(_random_mixed_engine(seed)) == with_roll
+
+
+def test_decode_roll_is_not_built_for_a_batch_that_changes_at_every_decode():
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    for i in range(wrapper._ROLL_AFTER + 2 * PS):
+        _decode(w, reqs[: 3 + i % 2])  # three requests, then four, then three ...
+        assert w._w_st.roll is None
+    for _ in range(wrapper._ROLL_AFTER + PS):
+        _decode(w, reqs[:3])  # the same batch from now on
+    assert w._w_st.roll is not None
+    assert not w.violations
+
+
+def test_decode_roll_is_not_built_while_other_allocations_come_between_decodes():
+    # Another request's allocation between decodes would drop a roll at once: none is built.
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    for i in range(wrapper._ROLL_AFTER + 2 * PS):
+        other = Req(f"x{i}")
+        _extend(w, [other], [1])
+        _decode(w, reqs)
+        assert w._w_st.roll is None
+        w.free(t(other.row))
+        w.release_request(other.rid)
+    assert not w.violations
+
+
+def test_decode_roll_used_on_the_random_engines(monkeypatch):
+    # The random engines' decodes do reach the roll (the comparison above is not vacuous).
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+    used = []
+    real = InstrumentedAllocator._decode_roll
+
+    def counted(self, *args):
+        n = real(self, *args)
+        used.append(n is not None)
+        return n
+
+    monkeypatch.setattr(InstrumentedAllocator, "_decode_roll", counted)
+    for seed in range(4):
+        _random_mixed_engine(seed)
+    assert sum(used) > 20
