@@ -345,6 +345,7 @@ _INT_TYPE = frozenset({int})
 # int and numpy's integer types (what the wrapper's counts are): int() of each is its value. bool is not among them.
 _INTEGER_TYPES = frozenset({int, *(np.dtype(c).type for c in "bhilqBHILQ")})
 _TS_OF = operator.itemgetter("ts")
+_BOUNDARY, _VIOLATION_EVENT = ev.StepBoundary, ev.ViolationEvent
 _SEQ_OF = operator.attrgetter("seq")
 
 
@@ -1157,14 +1158,8 @@ class FlightRecorder:
 
     # -- the sink (engine thread) ---------------------------------------------------------------------------------
     def __call__(self, batch: Sequence[ev.Event]) -> bool:
-        if self._stopped or not batch:
-            return not self._stopped
-        first = batch[0].seq
-        gap_from = self._gap_from
-        if gap_from is None and self._next_seq is not None and first > self._next_seq:
-            gap_from = self._next_seq
-        lost = (gap_from, first - 1) if gap_from is not None and gap_from < first else None
-        snap = None
+        if self._stopped:
+            return False
         boundary = None
         urgent = False
         # Queued as one flat list [class, instance dict, class, instance dict, ...]: the event objects themselves
@@ -1176,10 +1171,35 @@ class FlightRecorder:
         for e in batch:
             t = type(e)
             items += (t, e.__dict__)
-            if t is ev.StepBoundary:
+            if t is _BOUNDARY:
                 boundary = e
-            elif t is ev.ViolationEvent:
+            elif t is _VIOLATION_EVENT:
                 urgent = True
+        # The usual batch (no step boundary, no violation, the seq right after the last queued one: no gap) is
+        # queued as the bare list while the queue has room; anything else takes _queue_batch.
+        if boundary is None and not urgent and items and batch[0].seq == self._next_seq:
+            q = self._queue
+            pending = q._items  # _Queue.put_nowait, inline (one call per allocator call)
+            if len(pending) < q.maxsize:
+                pending.append(items)
+                self._since_snap_queued += len(batch)
+                self._next_seq = batch[-1].seq + 1
+                if len(pending) >= self._wake_at:
+                    self._wake.set()
+                return True
+        return self._queue_batch(batch, items, boundary, urgent)
+
+    def _queue_batch(self, batch: Sequence[ev.Event], items: list, boundary, urgent: bool) -> bool:
+        """The sink's general case (engine thread): gaps after refused batches, snapshots at step boundaries,
+        violations (the writer is woken), a full queue (refused)."""
+        if not batch:
+            return True
+        first = batch[0].seq
+        gap_from = self._gap_from
+        if gap_from is None and self._next_seq is not None and first > self._next_seq:
+            gap_from = self._next_seq
+        lost = (gap_from, first - 1) if gap_from is not None and gap_from < first else None
+        snap = None
         self._since_snap_queued += len(batch)
         if boundary is not None:
             # Retention's request for a newer base is also decided here, from what was queued: the writer only
@@ -1288,16 +1308,23 @@ class FlightRecorder:
                     break
                 if isinstance(item, _Flush):
                     item.done.set()
+                elif type(item) is list:
+                    self.lost_events += len(item) >> 1
                 elif isinstance(item, tuple):
                     self.lost_events += len(item[0]) // 2
                 continue
             try:
-                if isinstance(item, tuple):
+                plain = type(item) is list  # a batch queued as it is (see __call__)
+                if plain or isinstance(item, tuple):
                     if not in_txn:
                         conn.execute("BEGIN")
                         in_txn = True
-                    uncommitted += len(item[0]) // 2
-                    urgent = self._write(*item)
+                    if plain:
+                        uncommitted += len(item) >> 1
+                        urgent = self._write(item, None, None, False)
+                    else:
+                        uncommitted += len(item[0]) // 2
+                        urgent = self._write(*item)
                     due = urgent or uncommitted >= _COMMIT_ROWS
                     # The clock is read when the backlog is drained, or every _CLOCK_EVERY batches within one.
                     unclocked += 1
