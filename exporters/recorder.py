@@ -381,7 +381,7 @@ class _BlockWriter:
     timestamps (when 0), then its float fields' floats, field by field; its ``n`` seq offsets (seq - the block's
     first seq), then its ``n`` step offsets (step - the block's step); its array fields' arrays, field by field.
     ``f``: the count of out-of-line floats; ``x``: the dtype of the offsets;
-    ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
+    ``r``: the distinct ``rids`` tuples of the block, each once (by its JSON: each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
     both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
