@@ -112,6 +112,7 @@ _BLOCK_EVENTS = 512  # events of one block at most (a block is also closed befor
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
+_CLOCK_EVERY = 32  # queued batches the writer takes from a backlog between two reads of the clock
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -302,17 +303,19 @@ _LE = {"<i2": np.dtype("<i2"), "<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
 
 
 class _Plan:
-    """How the writer stores one event class: ``columns`` read seq, step and each field (in dataclass order) from
+    """How the writer stores one event class: ``row`` reads seq, step and each field (in dataclass order) from
     an instance dict (the timestamp is read apart), and each field's role (``roles``, in field order): ``_ARRAY``
     (annotated ``Any``: may hold arrays), ``_FLOAT`` (annotated ``float``), ``_RID``, ``_RIDS``, ``_VIOLATION``,
     ``_AVAILABLE`` (a step boundary's) or ``_PLAIN``."""
 
-    __slots__ = ("boundary", "code", "columns", "roles")
+    __slots__ = ("boundary", "code", "roles", "row")
 
     def __init__(self, cls: type):
         self.code = _KIND_NAMES.index(cls.__name__)
         fields = [f for f in dataclasses.fields(cls) if f.name not in ("seq", "ts", "step")]
-        self.columns = tuple(map(operator.itemgetter, ("seq", "step", *[f.name for f in fields])))
+        # All the columns of one dict in one call: map(row, dicts) transposed by zip is a quarter cheaper than one
+        # map per column.
+        self.row = operator.itemgetter("seq", "step", *[f.name for f in fields])
         self.boundary = cls is ev.StepBoundary
         roles = []
         for f in fields:
@@ -337,7 +340,12 @@ _PLAIN, _ARRAY, _FLOAT, _RID, _RIDS, _VIOLATION, _AVAILABLE = range(7)
 _PLANS: dict[type, _Plan] = {}
 _NONE_TYPE = type(None)
 _RID_TYPES = frozenset({str, int, _NONE_TYPE})  # request ids stored as they are (bool is not among them)
+_STR_TYPE = frozenset({str})
+_INT_TYPE = frozenset({int})
+# int and numpy's integer types (what the wrapper's counts are): int() of each is its value. bool is not among them.
+_INTEGER_TYPES = frozenset({int, *(np.dtype(c).type for c in "bhilqBHILQ")})
 _TS_OF = operator.itemgetter("ts")
+_BOUNDARY, _VIOLATION_EVENT = ev.StepBoundary, ev.ViolationEvent
 _SEQ_OF = operator.attrgetter("seq")
 
 
@@ -373,7 +381,7 @@ class _BlockWriter:
     timestamps (when 0), then its float fields' floats, field by field; its ``n`` seq offsets (seq - the block's
     first seq), then its ``n`` step offsets (step - the block's step); its array fields' arrays, field by field.
     ``f``: the count of out-of-line floats; ``x``: the dtype of the offsets;
-    ``r``: the distinct ``rids`` tuples of the block (each request id through ``_rid``);
+    ``r``: the distinct ``rids`` tuples of the block, each once (by its JSON: each request id through ``_rid``);
     ``a``: ``[dtype, stored dtype, shape]`` per array, in order, or, when every array is 1-D and integer,
     ``[stored dtype, [dtype per array], [length per array]]``. Seq and step are the row's columns (a copy with
     both shifted reads as shifted). Integer arrays are stored together, as int16, int32 or int64: the narrowest
@@ -418,19 +426,33 @@ class _BlockWriter:
         return groups
 
     def _rids_json(self, rids: tuple) -> str:
-        """The JSON of a ``rids`` tuple as stored (``_rid`` of each); a decode batch repeats the same tuple object
-        every step, so the writer caches it by identity (``rid_cache``, which holds the tuple: its id is not
-        reused while cached)."""
+        """The JSON of a ``rids`` tuple as stored (``_rid`` of each). The writer caches it by value
+        (``rid_cache``): a decode batch repeats the same requests step after step, in a tuple the scheduler may
+        build anew each time. Equal tuples can differ in their elements' types (1, 1.0, True and numpy's 1 are
+        equal and hash alike, and are stored differently), so a hit is taken as it is only for the very tuple
+        cached, or when the cached one holds only ``str`` (nothing else compares equal to a str but a str: a
+        subclass, stored as the str it is); otherwise the element types must match too."""
         cache = self.rid_cache
+        types = None
         if cache is not None:
-            hit = cache.get(id(rids))
-            if hit is not None and hit[0] is rids:
-                return hit[1]
-        out = _json([_rid(r) for r in rids])
+            try:
+                hit = cache.get(rids)
+            except TypeError:  # an unhashable request id: not cached
+                hit = cache = None
+            if hit is not None:
+                if hit[0] is rids or hit[1] is None:
+                    return hit[2]
+                types = tuple(map(type, rids))
+                if types == hit[1]:
+                    return hit[2]
+        if types is None:
+            types = tuple(map(type, rids))
+        kinds = set(types)
+        out = _json(rids) if kinds <= _RID_TYPES else _json([_rid(r) for r in rids])
         if cache is not None:
-            if len(cache) >= 256:
+            if len(cache) >= 4096:
                 cache.clear()
-            cache[id(rids)] = (rids, out)
+            cache[rids] = (rids, None if kinds <= _STR_TYPE else types, out)
         return out
 
     def row(self, deflate=None) -> tuple:
@@ -445,12 +467,13 @@ class _BlockWriter:
         seqs, steps, codes = [], [], []
         rjson: list = []
         rindex: dict = {}  # id(rids tuple) -> its index in rjson (every tuple is held by the block's dicts)
+        rpos: dict = {}  # a rids JSON -> its index in rjson: equal tuples are stored once
         pairs = self.rids
         available: dict = {}  # a boundary's seq -> its available, as JSON
         for cls, ds in self._groups().items():
             p = _PLANS.get(cls) or _plan(cls)
             n = len(ds)
-            cols = [list(map(get, ds)) for get in p.columns]
+            cols = list(zip(*map(p.row, ds)))
             seq_col, step_col = cols[0], cols[1]
             seqs.append(np.array(seq_col, dtype=np.int64))
             steps.append(np.array(step_col, dtype=np.int64))
@@ -484,8 +507,12 @@ class _BlockWriter:
                         single = {}  # id -> the request id of a one-request tuple
                         for k, t in dict(zip(ids, col)).items():
                             if k not in rindex:
-                                rindex[k] = len(rjson)
-                                rjson.append(self._rids_json(t))
+                                js = self._rids_json(t)
+                                at = rpos.get(js)
+                                if at is None:
+                                    at = rpos[js] = len(rjson)
+                                    rjson.append(js)
+                                rindex[k] = at
                             if len(t) == 1:
                                 single[k] = _rid(t[0])
                         if single:
@@ -496,8 +523,12 @@ class _BlockWriter:
                         for t, s in zip(col, step_col):
                             if type(t) is tuple:
                                 if id(t) not in rindex:
-                                    rindex[id(t)] = len(rjson)
-                                    rjson.append(self._rids_json(t))
+                                    js = self._rids_json(t)
+                                    at = rpos.get(js)
+                                    if at is None:
+                                        at = rpos[js] = len(rjson)
+                                        rjson.append(js)
+                                    rindex[id(t)] = at
                                 if len(t) == 1:
                                     pairs.add((_rid(t[0]), s))
                                 values.append(rindex[id(t)])
@@ -525,10 +556,13 @@ class _BlockWriter:
                 elif role == _AVAILABLE:
                     values = []
                     for av, q in zip(col, seq_col):
-                        if type(av) is dict and any(type(v) is not int for v in av.values()):
+                        if type(av) is dict and not _INT_TYPE.issuperset(map(type, av.values())):
                             # numpy integers as ints once, here (as JSON would read them back), so that both
                             # encodings (in the payload and in the column) stay in the C encoder.
-                            av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
+                            if _INTEGER_TYPES.issuperset(map(type, av.values())):
+                                av = dict(zip(av, map(int, av.values())))
+                            else:
+                                av = {k: int(v) if isinstance(v, np.integer) else v for k, v in av.items()}
                         values.append(av)
                         available[q] = _json(av)
                     entries.append(values)
@@ -1124,28 +1158,48 @@ class FlightRecorder:
 
     # -- the sink (engine thread) ---------------------------------------------------------------------------------
     def __call__(self, batch: Sequence[ev.Event]) -> bool:
-        if self._stopped or not batch:
-            return not self._stopped
+        if self._stopped:
+            return False
+        boundary = None
+        urgent = False
+        # Queued as one flat list [class, instance dict, class, instance dict, ...]: the event objects themselves
+        # die with the call, and the dicts (atomic values, arrays) are untracked by the garbage collector at its
+        # first look. Queued event objects (or a (class, dict) tuple per event) would survive into the older
+        # generations and make full collections (of every object of the process) more frequent. (Two lists built
+        # by C-level maps, of the classes and of the dicts, cost a third more: batches hold two or three events.)
+        items = []
+        for e in batch:
+            t = type(e)
+            items += (t, e.__dict__)
+            if t is _BOUNDARY:
+                boundary = e
+            elif t is _VIOLATION_EVENT:
+                urgent = True
+        # The usual batch (no step boundary, no violation, the seq right after the last queued one: no gap) is
+        # queued as the bare list while the queue has room; anything else takes _queue_batch.
+        if boundary is None and not urgent and items and batch[0].seq == self._next_seq:
+            q = self._queue
+            pending = q._items  # _Queue.put_nowait, inline (one call per allocator call)
+            if len(pending) < q.maxsize:
+                pending.append(items)
+                self._since_snap_queued += len(batch)
+                self._next_seq = batch[-1].seq + 1
+                if len(pending) >= self._wake_at:
+                    self._wake.set()
+                return True
+        return self._queue_batch(batch, items, boundary, urgent)
+
+    def _queue_batch(self, batch: Sequence[ev.Event], items: list, boundary, urgent: bool) -> bool:
+        """The sink's general case (engine thread): gaps after refused batches, snapshots at step boundaries,
+        violations (the writer is woken), a full queue (refused)."""
+        if not batch:
+            return True
         first = batch[0].seq
         gap_from = self._gap_from
         if gap_from is None and self._next_seq is not None and first > self._next_seq:
             gap_from = self._next_seq
         lost = (gap_from, first - 1) if gap_from is not None and gap_from < first else None
         snap = None
-        boundary = None
-        urgent = False
-        # Queued as one flat list [class, instance dict, class, instance dict, ...]: the event objects themselves
-        # die with the call, and the dicts (atomic values, arrays) are untracked by the garbage collector at its
-        # first look. Queued event objects (or a (class, dict) tuple per event) would survive into the older
-        # generations and make full collections (of every object of the process) more frequent.
-        items = []
-        for e in batch:
-            t = type(e)
-            items += (t, e.__dict__)
-            if t is ev.StepBoundary:
-                boundary = e
-            elif t is ev.ViolationEvent:
-                urgent = True
         self._since_snap_queued += len(batch)
         if boundary is not None:
             # Retention's request for a newer base is also decided here, from what was queued: the writer only
@@ -1238,31 +1292,49 @@ class FlightRecorder:
     def _writer(self) -> None:
         conn = self._conn
         q = self._queue
+        pending = q._items
         in_txn = False
         last_commit = time.monotonic()
         uncommitted = 0
+        unclocked = 0  # batches written since the clock was last read
         while True:
-            timeout = max(0.0, last_commit + self._flush_interval - time.monotonic()) if in_txn else None
-            item = self._next(q, timeout)
+            if pending:  # a backlog (the writer wakes every _POLL seconds): taken without a call or a clock read
+                item = pending.popleft()  # the only consumer: a non-empty deque stays non-empty until here
+            else:
+                timeout = max(0.0, last_commit + self._flush_interval - time.monotonic()) if in_txn else None
+                item = self._next(q, timeout)
             if self.failed is not None:
                 if isinstance(item, _Stop):
                     break
                 if isinstance(item, _Flush):
                     item.done.set()
+                elif type(item) is list:
+                    self.lost_events += len(item) >> 1
                 elif isinstance(item, tuple):
                     self.lost_events += len(item[0]) // 2
                 continue
             try:
-                if isinstance(item, tuple):
+                plain = type(item) is list  # a batch queued as it is (see __call__)
+                if plain or isinstance(item, tuple):
                     if not in_txn:
                         conn.execute("BEGIN")
                         in_txn = True
-                    uncommitted += len(item[0]) // 2
-                    urgent = self._write(*item)
-                    if urgent or uncommitted >= _COMMIT_ROWS or time.monotonic() - last_commit >= self._flush_interval:
+                    if plain:
+                        uncommitted += len(item) >> 1
+                        urgent = self._write(item, None, None, False)
+                    else:
+                        uncommitted += len(item[0]) // 2
+                        urgent = self._write(*item)
+                    due = urgent or uncommitted >= _COMMIT_ROWS
+                    # The clock is read when the backlog is drained, or every _CLOCK_EVERY batches within one.
+                    unclocked += 1
+                    if not due and (unclocked >= _CLOCK_EVERY or not pending):
+                        unclocked = 0
+                        due = time.monotonic() - last_commit >= self._flush_interval
+                    if due:
                         self._insert_rows()
                         conn.execute("COMMIT")
-                        in_txn, uncommitted, last_commit = False, 0, time.monotonic()
+                        in_txn, uncommitted, last_commit, unclocked = False, 0, time.monotonic(), 0
                         self._after_commit()
                     elif len(self._rows) >= _INSERT_ROWS:
                         self._insert_rows(close=False)
@@ -1544,10 +1616,15 @@ class FlightRecorder:
         )
         conn.execute("COMMIT")
         conn.execute("PRAGMA busy_timeout = 0")  # never wait on a reader here
+        # A finished file is one file: leaving WAL mode checkpoints the WAL and deletes it (one pass over the WAL,
+        # not a checkpoint and then a second one). It fails (or leaves the mode as it is) while a reader holds the
+        # file: then the WAL is checkpointed and truncated as far as the readers allow.
+        mode = None
         with contextlib.suppress(sqlite3.Error):
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("PRAGMA journal_mode = DELETE")  # a finished file is one file; fails if a reader holds it
+            mode = conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]
+        if str(mode).lower() != "delete":
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 # -- reader -------------------------------------------------------------------------------------------------

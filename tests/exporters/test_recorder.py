@@ -303,6 +303,25 @@ def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
     assert len(set(ids)) == 3
 
 
+def test_rids_tuples_equal_by_value_keep_their_own_types_across_blocks():
+    # The writer caches a rids tuple's JSON by value, across blocks: equal tuples of other element types (1, 1.0,
+    # True and numpy's 1 are equal and hash alike) are stored as their own; unhashable ids are stored as their repr.
+    cache: dict = {}
+    tuples = [("a", "b"), ("a", "b"), (1, "b"), (1.0, "b"), (True, "b"), (np.int64(1), "b"), ([1], "b"), ("a", "b")]
+    want = [("a", "b"), ("a", "b"), (1, "b"), ("1.0", "b"), ("True", "b"), (1, "b"), ("[1]", "b"), ("a", "b")]
+    for _ in range(2):  # the second block reads the cache the first one filled
+        b = recorder_mod._BlockWriter(0, 1, cache)
+        for seq, rids in enumerate(tuples, 1):
+            e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=tuple(rids))
+            b.add(type(e), e.__dict__)
+        payload = b.row()[-1]
+        got = recorder_mod._decode_block(payload, 1, 0, recorder_mod._CLASSES)
+        assert [e.rids for e in got] == want
+        assert [type(e.rids[0]) for e in got] == [type(w[0]) for w in want]
+        head = json.loads(payload[5 : 5 + int.from_bytes(payload[1:5], "little")])
+        assert len(head["r"]) == 5  # each distinct JSON stored once: ("a", "b") thrice, (1, "b") twice
+
+
 def test_attached_mid_run_and_event_ranges(tmp_path):
     e = Engine("swa-4", True, "deferred")
     pick = RandomPick(4)
