@@ -137,6 +137,8 @@ class PoolShadow:
         # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
         self.deltas: list | None = None
         self.version = 0
+        # The slot offsets within a page (int64): a page's slots are its first slot + these (page-run checks).
+        self.offsets = np.arange(page_size, dtype=np.int64)
         self.clear()
 
     def _set(self, pages: np.ndarray, codes, *, private: bool = False) -> None:

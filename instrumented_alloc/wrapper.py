@@ -58,6 +58,7 @@ _ABSENT = object()
 _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
 _ADD = np.add
+_MAX = np.maximum
 _make_event = ev.make
 # Positional builders of the kinds built on every call (see events.builder): no keyword dict, no template copy.
 _B_ALLOC = ev.builder(ev.Alloc)
@@ -958,80 +959,111 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
-            # Position of every returned slot, and whether it opens a page taken from the free list: None when
-            # every prefix ends on a page boundary (fresh requests, whole-page chunks), where every slot does
-            # (on_alloc reads None as all new, and judges it with one comparison instead of a select).
-            if bs == 1:
-                p0 = prefix.item(0)
-                pos = np.arange(p0, p0 + n, dtype=np.int64)
-            else:
-                first = _ADD.accumulate(ext) - ext
-                pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-            if np.count_nonzero(prefix & m if shift is not None else prefix % ps):
-                new_mask = pos >= (ceil_prefix * ps).repeat(ext)
-            else:
-                new_mask = None
-            own = -1 if slots is None else slots.repeat(ext)
+            # Every prefix ends on a page boundary (fresh requests, whole-page chunks): every slot opens a page taken
+            # from the free list (on_alloc reads new_mask None as all new, and judges it with one comparison).
+            aligned = not np.count_nonzero(prefix & m if shift is not None else prefix % ps)
             # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
             # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
-            # chunks) try the page-run check first (_alloc_runs); the general per-slot check runs otherwise.
+            # chunks) try the page-run check first (_alloc_runs), which needs neither the slots' positions nor
+            # their owners: those are built only when it declines (the per-slot check) or for a deferred check.
             runs = (
-                new_mask is None
-                and shift is not None
-                and not st.deferred
-                and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
+                aligned and shift is not None and not st.deferred and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
             )
             full, swa_pool = st.full, st.swa
+            led = st.ledger
             if slots is not None:
-                led = st.ledger
                 led.owned["full"][slots] += grow
                 led.committed[slots] = seq
                 led.allocated[slots] = ceil_seq * ps
-                self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                if st.want_ledger:
+                    self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is _ABSENT:
-                    swa_grow, swa_pos, swa_new, swa_own, swa_n_new = grow, pos, new_mask, own, n_new
+                    swa_grow, swa_ext, swa_n_new = grow, ext, n_new
                     peer = self._swa_peer(out)
                 elif tail > 0:
                     swa_n_new = (tail + ps - 1) // ps
                     swa_grow = np.array([swa_n_new], np.int64)
-                    swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                    swa_new = None  # every tail slot opens its page
-                    swa_own = own if slots is None else own[-tail:]
+                    swa_ext = np.array([tail], np.int64)  # bs == 1: the tail is the request's whole SWA share
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
-                    st.ledger.owned["swa"][slots] += swa_grow
-
-            def check(o, pos, own, pool, new, n, name):
-                if runs and self._alloc_runs(o, pos, own, pool.shadow, n):
-                    return
-                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
-                if shift is not None:
-                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
-                else:
-                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, name)
-                bad = pool.shadow.on_alloc(pages, own, new, n, op)
-                if bad:
-                    self._report(bad, name, op)
-
-            def verify(o, s=None):
-                check(o, pos, own, full, new_mask, n_new, "full")
-                if s is not None:
-                    check(s, swa_pos, swa_own, swa_pool, swa_new, swa_n_new, "swa")
-
-            if swa_grow is not None:
-                self._slot_tier(verify, out, peer)
+                    led.owned["swa"][slots] += swa_grow
+            if runs:
+                # Immediate: called directly, no closure (this is every fresh request's extend).
+                o = out.numpy()
+                pos = own = None
+                if not self._alloc_runs(o, slots, grow, ext, full.shadow, n_new):
+                    pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                    self._check_extend(o, pos, own, full, None, n_new, op, "full")
+                if swa_grow is not None and not self._alloc_runs(
+                    peer, slots, swa_grow, swa_ext, swa_pool.shadow, swa_n_new
+                ):
+                    if tail is _ABSENT:
+                        if pos is None:
+                            pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                        swa_pos, swa_own = pos, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_own = -1 if slots is None else slots.repeat(swa_ext)
+                    self._check_extend(peer, swa_pos, swa_own, swa_pool, None, swa_n_new, op, "swa")
             else:
-                self._slot_tier(verify, out)
-            emit_alloc = self._emit_alloc
-            emit_alloc(op, got, n_new, dt)
-            if swa_grow is not None:
-                emit_alloc(op, int(swa_pos.size), swa_n_new, 0.0, pool="swa")
-            self._finish()
+                pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                new_mask = None if aligned else pos >= (ceil_prefix * ps).repeat(ext)
+                if swa_grow is not None:
+                    if tail is _ABSENT:
+                        swa_pos, swa_new, swa_own = pos, new_mask, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_new = None  # every tail slot opens its page
+                        swa_own = own if slots is None else own[-tail:]
+                check = self._check_extend
+
+                def verify(o, s=None):
+                    check(o, pos, own, full, new_mask, n_new, op, "full")
+                    if s is not None:
+                        check(s, swa_pos, swa_own, swa_pool, swa_new, swa_n_new, op, "swa")
+
+                if swa_grow is not None:
+                    self._slot_tier(verify, out, peer)
+                else:
+                    self._slot_tier(verify, out)
+            if st.want_alloc:
+                emit_alloc = self._emit_alloc
+                emit_alloc(op, got, n_new, dt)
+                if swa_grow is not None:
+                    emit_alloc(op, int(peer.shape[0]), swa_n_new, 0.0, pool="swa")
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
             return out
+
+    @staticmethod
+    def _extend_layout(prefix: np.ndarray, ext: np.ndarray, n: int, bs: int, slots):
+        """The position of every slot an extend returned, and its owner (the bound request's ledger slot, or -1
+        unattributed): what the per-slot check reads."""
+        if bs == 1:
+            p0 = prefix.item(0)
+            pos = np.arange(p0, p0 + n, dtype=np.int64)
+        else:
+            # ufunc methods and ndarray.repeat are C calls; np.cumsum and np.repeat wrap them in Python.
+            first = _ADD.accumulate(ext) - ext
+            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+        return pos, (-1 if slots is None else slots.repeat(ext))
+
+    def _check_extend(self, o: np.ndarray, pos: np.ndarray, own, pool: _Pool, new, n_new: int, op: str, name: str):
+        """One pool's per-slot check of an extend's slots ``o`` (positions ``pos``, owners ``own``; ``new``: the
+        open-page mask, None when every slot opens a page), then its mirror in the shadow (``on_alloc``)."""
+        ps, shift = self._w_ps, self._w_shift
+        # Bit operations where the page size is a power of two (they floor negatives as % and // do).
+        if shift is not None:
+            misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
+        else:
+            misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
+        if misaligned:
+            self._misaligned(o, pos, own, op, name)
+        bad = pool.shadow.on_alloc(pages, own, new, n_new, op)
+        if bad:
+            self._report(bad, name, op)
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         st = self._w_st  # every read below from it (see _CallState): the wrapper's own attributes are slow
@@ -1170,36 +1202,42 @@ class InstrumentedAllocator:
             self._finish()
         return out
 
-    def _alloc_runs(self, o: np.ndarray, pos: np.ndarray, own, shadow: PoolShadow, n_new: int) -> bool:
-        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots form runs of
-        page_size consecutive positions from the first (the last run may be shorter), each run one request's
-        (see ``_extend``), for the case where every check passes: each run lies in one page at its positions'
-        offsets (``slot - position`` the same over the run, a multiple of the page size), and each run's page was
-        free. That is the per-slot check (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on
-        one slot per page. Then it applies what ``on_alloc`` applies (owners, the same per-slot page delta when
-        deltas are kept, the free count) and returns True; otherwise it returns False having changed nothing,
-        and the per-slot check runs and reports."""
+    def _alloc_runs(
+        self, o: np.ndarray, slots, grow: np.ndarray, ext: np.ndarray, shadow: PoolShadow, n_new: int
+    ) -> bool:
+        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots ``o`` form runs of
+        page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
+        run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
+        its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
+        0 .. page_size - 1, compared as bytes), and each run's page was free. That is the per-slot check
+        (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
+        what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the same per-slot
+        page delta when deltas are kept, the free count) and returns True; otherwise it returns False having
+        changed nothing, and the per-slot check runs and reports. ``slots``: the bound requests' ledger slots (None:
+        unattributed); ``ext``: each request's slots in ``o``."""
         ps, shift = self._w_ps, self._w_shift
         n = o.size
         if not n or o.dtype is not _I64:
             return False
-        q = o - pos
-        k = n >> shift  # whole runs
-        starts = q[::ps]
-        if k and np.count_nonzero(q[: k << shift].reshape(k, ps) != starts[:k, None]):
+        pages = o[::ps] >> shift  # one per run (a negative slot floors to a negative page: reserved below)
+        # Each run's expected slots: its page's first slot + the offsets. One bytes compare checks alignment and
+        # that no run leaves its page.
+        expected = (pages << shift)[:, None] + shadow.offsets
+        if o.tobytes() != expected.tobytes()[: o.nbytes]:
             return False
-        if n & (ps - 1) and np.count_nonzero(q[k << shift :] != starts[k]):
-            return False
-        if np.count_nonzero(starts & (ps - 1)):
-            return False  # slot_page_alignment (or a negative slot)
         # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
-        pages = o[::ps] >> shift
-        if np.count_nonzero(shadow._owner_ext.take(pages, mode="clip") > FREE):
+        if _MAX.reduce(shadow._owner_ext.take(pages, mode="clip")) > FREE:
             return False
-        shadow.owner[pages] = own[::ps] if type(own) is np.ndarray else own
+        if slots is None:
+            shadow.owner[pages] = -1
+        elif slots.size == 1:
+            shadow.owner[pages] = slots  # broadcast: one request owns every page
+        else:
+            shadow.owner[pages] = slots.repeat(grow)
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
-            shadow.note(o >> shift, own)  # what on_alloc records: one entry per slot
+            # What on_alloc records: one entry per slot.
+            shadow.note(o >> shift, -1 if slots is None else slots.repeat(ext))
         shadow.expected_entries -= n_new
         return True
 
