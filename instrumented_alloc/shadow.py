@@ -26,6 +26,8 @@ import numpy as np
 # Page codes (owner < 0). Free-like codes are the lowest, so "allocatable" is one comparison: owner <= FREE.
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
+_ALL = np.logical_and.reduce  # ndarray.all() goes through a Python wrapper
+_MAX = np.maximum.reduce
 
 USED_UNOWNED = -1  # handed out to no known request (unattributed call, or lost by the allocator)
 RESERVED = -2  # page 0, the padding sink
@@ -47,9 +49,9 @@ STATE_NAMES = {
 
 
 def sorted_unique(a: np.ndarray) -> np.ndarray:
-    """``np.unique(a)`` for a 1-D integer array (sorted distinct values), without its fixed cost: numpy 2's
-    ``unique`` spends several microseconds per call even on a handful of values (13 us on 256), a sort and a
-    neighbour compare about 1.5."""
+    """``np.unique(a)`` for a 1-D integer array (sorted distinct values, a fresh array), without its fixed cost:
+    numpy 2's ``unique`` spends several microseconds per call even on a handful of values (13 us on 256), a sort
+    and a neighbour compare about 1.5."""
     n = a.size
     if n < 2:
         return a.copy()
@@ -59,14 +61,18 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
         heads = np.empty(n, bool)
         heads[0] = True
         np.not_equal(a[1:], a[:-1], out=heads[1:])
-        a = a[heads]
-        n = a.size
-        if n < 2:
-            return a
-    srt = np.sort(a)
-    keep = np.empty(n, bool)
+        srt = a[heads]  # a boolean gather: a fresh array
+        if srt.size < 2:
+            return srt
+    else:
+        srt = a.copy()
+    srt.sort()  # in place (np.sort copies first, through a Python wrapper)
+    differ = srt[1:] != srt[:-1]
+    if _ALL(differ):
+        return srt  # the usual case: no value repeats once runs are gone
+    keep = np.empty(srt.size, bool)
     keep[0] = True
-    np.not_equal(srt[1:], srt[:-1], out=keep[1:])
+    keep[1:] = differ
     return srt[keep]
 
 
@@ -413,6 +419,29 @@ class PoolShadow:
         self._release(pages, vpages, n_entries, dedup)
         return u
 
+    def free_owned(self, pages: np.ndarray, slot: int, n: int, dedup: bool) -> None:
+        """``apply_free`` for a free already judged to release ``n`` pages (``pages``, int64, in range) that were
+        all in use by request slot ``slot`` (>= 0): what apply_free's one-owner case applies, without testing it
+        again (the wrapper's free fast path has). ``pages`` is kept (held in a free group): the caller's own."""
+        led = self._ledger
+        owned = led.owned[self.name]
+        self.last_owner[pages] = slot
+        self.last_generation[pages] = led.generation.item(slot)
+        had = owned.item(slot)
+        if self.name == "full":
+            peak = led.peak_pages
+            if had > peak.item(slot):
+                peak[slot] = had
+        owned[slot] = had - n
+        if self.in_group:
+            (self.held_set if dedup else self.held_ids).append(pages)
+            self._set(pages, HELD_SET if dedup else HELD_IDS)
+        else:
+            self._set(pages, STAGED if self.need_sort else FREE)
+            if self.need_sort:
+                self.n_staged += n
+            self.expected_entries += n
+
     def _release(self, pages, vpages, n_entries: int, dedup: bool) -> None:
         if self.in_group:
             (self.held_set if dedup else self.held_ids).append(pages)
@@ -434,13 +463,18 @@ class PoolShadow:
         for held, dedup in ((self.held_set, True), (self.held_ids, False)):
             if not held:
                 continue
-            pages = np.concatenate(held)
-            if dedup:
-                pages = sorted_unique(pages)
+            if len(held) == 1:
+                # One free in the group: its pages as planned (set-shaped ones are sorted_unique already).
+                pages = held[0]
+            else:
+                pages = np.concatenate(held)
+                if dedup:
+                    pages = sorted_unique(pages)
             n += pages.size
             # The held pages that are still held (in range: a clipped gather reads page 0, negatives and pages
-            # past the end as reserved, which is not held).
-            v = pages[self._owner_ext.take(pages, mode="clip") <= HELD_SET]
+            # past the end as reserved, which is not held). Usually all of them: no mask then.
+            prev = self._owner_ext.take(pages, mode="clip")
+            v = pages if not pages.size or _MAX(prev) <= HELD_SET else pages[prev <= HELD_SET]
             self._set(v, code)
         self.held_set, self.held_ids = [], []
         self.expected_entries += n

@@ -59,6 +59,7 @@ _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
 _ADD = np.add
 _MAX = np.maximum
+_MIN = np.minimum
 _make_event = ev.make
 # Positional builders of the kinds built on every call (see events.builder): no keyword dict, no template copy.
 _B_ALLOC = ev.builder(ev.Alloc)
@@ -1427,8 +1428,6 @@ class InstrumentedAllocator:
         this allocator has nothing to check for it (an SWA op on a single pool). A name, looked up only when the
         fast path declines: a bound method per call costs a slow lookup on the wrapper (see _CallState)."""
         st = self._w_st  # every read below from it (see _CallState)
-        method = getattr(st.inner, op)
-        forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
         with st.lock:
             st.op = op
             # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
@@ -1445,25 +1444,31 @@ class InstrumentedAllocator:
                     self._validate(op, check_index_tensor, arg, index, st.device)
                 else:
                     self._segment_args(op, index, start_pos)
-            if index.numel() == 0:
-                return forward()
-            if st.fast_free:
-                result = self._free_fast(st, op, index, forward)
+            if st.fast_free and index.numel():
+                result = self._free_fast(st, op, index, start_pos)
                 if result is not _ABSENT:
                     return result
+            method = getattr(st.inner, op)
+            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
+            if index.numel() == 0:
+                return forward()
             parts = getattr(self, parts_of)(index, op)
             if parts is None:
                 return forward()
             return self._free(op, forward, parts)
 
-    def _free_fast(self, st: _CallState, op: str, index, forward: Callable):
-        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices), for the case
-        where every check passes: every page it releases, in each pool, is in use by one and the same request;
-        no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment are all
-        mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped (``free_full``,
-        ``free_full_segment``). Then it forwards and mirrors exactly as the general path does (the same plans
-        through ``_forward_free``) and returns the inner's result. Anything else (a fault, another op, another
-        dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and reports it.
+    def _free_fast(self, st: _CallState, op: str, index, start_pos):
+        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices, not empty), for
+        the case where every check passes: every page it releases, in each pool, is in use by one and the same
+        request; no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment
+        are all mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped
+        (``free_full``, ``free_full_segment``). Then it forwards and mirrors what the general path mirrors and
+        returns the inner's result: a free of one pool (every op but an SWA ``free_segment``) inline, the
+        shadow's one-owner mirror (``PoolShadow.free_owned``) then the ledger (``_after_free_one``), with the
+        general path's failure handling (an inner that raises after changing its free lists is mirrored first);
+        two pools through ``_forward_free`` with the general path's plans. Anything else (a fault, another op,
+        another dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and
+        reports it.
 
         The pages per pool are the general path's parts computed directly (``_full_set_part``,
         ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures.
@@ -1485,7 +1490,7 @@ class InstrumentedAllocator:
             # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
             # general path's swa_mapping_inconsistent.
             peers = st.inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
-            if np.count_nonzero(peers <= 0):
+            if _MIN.reduce(peers) <= 0:
                 return _ABSENT
             if op == "free_segment":
                 parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
@@ -1493,7 +1498,7 @@ class InstrumentedAllocator:
                 parts = ((swa, peers >> shift, False),)
         elif op == "free_full" or op == "free_full_segment":
             peers = st.inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
-            if np.count_nonzero(peers > 0):
+            if _MAX.reduce(peers) > 0:
                 return _ABSENT  # a live SWA peer: the general path reports it
             parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
         else:
@@ -1510,7 +1515,31 @@ class InstrumentedAllocator:
             if not dedup and has_repeat(pages):
                 return _ABSENT
             plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
-        return self._forward_free(op, forward, plans, st)
+        method = getattr(st.inner, op)
+        if len(plans) != 1:
+            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
+            return self._forward_free(op, forward, plans, st)
+        # One pool: _forward_free and _apply_frees inlined, the mirror without apply_free's owner tests (done above).
+        pool, plan = plans[0]
+        pools = st.pools.values()
+        before = None if st.atomic_free else [p.allocator.available_size() for p in pools]
+        timed = st.want_free  # the duration is only read by the Free events
+        clock = st.clock
+        t0 = clock() if timed else 0.0
+        try:
+            result = method(index) if start_pos is _ABSENT else method(index, start_pos=start_pos)
+        except BaseException:
+            if before is not None and before != [p.allocator.available_size() for p in pools]:
+                self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
+                self._deliver()
+            raise
+        pages, _, prev, n, dedup = plan
+        owner = prev[:1]  # a view of a gather made for this free alone: never written (the ledger event's slots)
+        pool.shadow.free_owned(pages, owner.item(0), n, dedup)
+        self._after_free_one(op, (pool, owner, n), clock() - t0 if timed else 0.0, st)
+        if st.bus.active or st.to_raise or st.events:
+            self._finish()
+        return result
 
     def _free_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
@@ -1585,11 +1614,16 @@ class InstrumentedAllocator:
 
     def _forward_then_mirror(self, name: str, mirror: Callable):
         """Argument-free state transitions: forward, then mirror them in the shadow in call order."""
-        with self._w_lock:
-            self._w_st.op = name
-            result = getattr(self._w_inner, name)()
-            self._slot_tier(mirror)
-            self._finish()
+        st = self._w_st
+        with st.lock:
+            st.op = name
+            result = getattr(st.inner, name)()
+            if st.deferred:
+                self._slot_tier(mirror)  # behind the queued checks
+            else:
+                mirror()  # what _slot_tier does at once in immediate mode
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
             return result
 
     def clear(self):
@@ -1798,14 +1832,14 @@ class InstrumentedAllocator:
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = st.pools.values()
-        before = None if st.atomic_free else [p.entries() for p in pools]
+        before = None if st.atomic_free else [p.allocator.available_size() for p in pools]
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
         t0 = clock() if timed else 0.0
         try:
             result = forward()
         except BaseException:
-            if before is not None and before != [p.entries() for p in pools]:
+            if before is not None and before != [p.allocator.available_size() for p in pools]:
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
