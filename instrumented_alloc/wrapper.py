@@ -107,6 +107,9 @@ _TAINTING = frozenset(
     }
 )
 
+# Bindings each thread remembers (see _bind): a decode batch, an extend's, a few more.
+_BIND_MEMO = 8
+
 # A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
 _FEW_DIRTY = 8
 
@@ -600,14 +603,35 @@ class InstrumentedAllocator:
         return _Binding(self, rids, lens)
 
     def _bind(self, rids, lens):
-        """Bind the calling thread to ``rids`` (see ``batch``); returns the thread-local that holds the binding."""
+        """Bind the calling thread to ``rids`` (see ``batch``); returns the thread-local that holds the binding.
+
+        An engine binds the same batch step after step (its decode batch changes only when a request joins or
+        leaves): each thread remembers its last few bindings (ids -> ledger slots), valid while the ledger's
+        ``epoch`` (its id -> slot mapping) is unchanged. A remembered batch was checked (hashable, distinct)
+        when it was first bound, and takes the same slots array (read-only, see below) and the same owner codes
+        the decode fast path made for it."""
         try:
             rids = tuple(rids)
-            distinct = len(set(rids))
         except TypeError:
             raise ArgumentTypeError("rids", f"expected a sequence of hashable request ids, got {rids!r:.80}") from None
-        if distinct != len(rids):
-            raise ArgumentValueError("rids", "a request id appears twice in one batch")
+        st = self._w_st
+        tls = st.tls
+        memo = getattr(tls, "memo", None)
+        if memo is None:
+            memo = tls.memo = {}
+        try:
+            hit = memo.get(rids)
+        except TypeError:  # an unhashable id: named below
+            hit = None
+        if hit is None:
+            try:
+                distinct = len(set(rids))
+            except TypeError:
+                raise ArgumentTypeError(
+                    "rids", f"expected a sequence of hashable request ids, got {rids!r:.80}"
+                ) from None
+            if distinct != len(rids):
+                raise ArgumentValueError("rids", "a request id appears twice in one batch")
         if lens is not None:
             if isinstance(lens, (str, bytes, torch.Tensor)) or not hasattr(lens, "__len__"):
                 raise ArgumentTypeError("lens", f"expected a sequence of ints, got {type(lens).__name__}")
@@ -617,18 +641,26 @@ class InstrumentedAllocator:
             # one by one, which names the bad entry.
             if not (set(map(type, lens)) <= {int} and (not len(lens) or min(lens) >= 0)):
                 lens = [check_int("lens", x) for x in lens]
-        st = self._w_st
-        tls = st.tls
         with st.lock:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
-            slots = st.ledger.slots_of(rids)
-            # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) share them instead
-            # of a copy each, which is safe because slots_of returns a fresh array that owns its memory.
-            slots.flags.writeable = False
-            # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
-            # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
-            tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
+            led = st.ledger
+            if hit is not None and hit[0] is led and hit[1] == led.epoch:
+                slots, codes = hit[2][1], hit[2][3]  # the same ids map to the same slots (see above)
+            else:
+                slots = led.slots_of(rids)
+                # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) and later
+                # bindings of the same batch share them instead of a copy each, which is safe because slots_of
+                # returns a fresh array that owns its memory.
+                slots.flags.writeable = False
+                codes = None
+            # The last entry: the slots as owner codes (int32, read-only), made by the decode fast path when it
+            # first needs them (it compares the pages' owners to them in one memcmp; an extend's binding never
+            # needs them).
+            bound = tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), codes]
+            if len(memo) >= _BIND_MEMO:
+                memo.clear()
+            memo[rids] = (led, led.epoch, bound)
         return tls
 
     def release_request(self, rid) -> None:
