@@ -28,6 +28,7 @@ _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _ALL = np.logical_and.reduce  # ndarray.all() goes through a Python wrapper
 _MAX = np.maximum.reduce
+_SLOT_MASK = (1 << 32) - 1
 
 USED_UNOWNED = -1  # handed out to no known request (unattributed call, or lost by the allocator)
 RESERVED = -2  # page 0, the padding sink
@@ -137,8 +138,10 @@ class PoolShadow:
         self._owner_ext[-1] = RESERVED
         self.owner = self._owner_ext[:-1]
         # The slot that last owned each page: names the request behind a double free of a page already free.
-        self.last_owner = np.empty(num_pages + 1, np.int32)
-        self.last_generation = np.zeros(num_pages + 1, np.int64)
+        # The request that last owned each page, to name it behind a double free of a page already free: its slot
+        # and the slot's generation then (a slot released since names another request), packed in one int64 as
+        # ``slot | generation << 32`` (one store per free instead of two); -1: none.
+        self.last_freed = np.empty(num_pages + 1, np.int64)
         # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
         # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
         self.deltas: list | None = None
@@ -181,7 +184,7 @@ class PoolShadow:
         self.version += 1
         self.owner.fill(PRISTINE)
         self.owner[0] = RESERVED
-        self.last_owner.fill(-1)
+        self.last_freed.fill(-1)
         if self.deltas is not None:
             self.deltas.append((np.arange(self.owner.size, dtype=np.int64), self.owner.copy()))
         self.expected_entries = self.num_pages
@@ -355,8 +358,9 @@ class PoolShadow:
         double = ~unalloc & ~reserved
         if double.any():
             page = int(bp[double][0])
-            last = int(self.last_owner[page])
-            if last >= 0 and self._ledger.generation[last] != self.last_generation[page]:
+            packed = self.last_freed.item(page)
+            last = packed & _SLOT_MASK if packed >= 0 else -1
+            if last >= 0 and self._ledger.generation.item(last) != packed >> 32:
                 last = -1  # that request was released since; its slot now names another one
             bad.append(
                 (
@@ -387,8 +391,7 @@ class PoolShadow:
         if first >= 0 and prev.tobytes() == prev[:1].tobytes() * n:
             # The usual free: every page owned by one request. Scalars instead of masks and gathers.
             owned = self.owned
-            self.last_owner[vpages] = first
-            self.last_generation[vpages] = self._ledger.generation[first]
+            self.last_freed[vpages] = first | self._ledger.generation.item(first) << 32
             if self.name == "full":
                 peak = self._ledger.peak_pages
                 peak[first] = max(int(peak[first]), int(owned[first]))
@@ -399,8 +402,7 @@ class PoolShadow:
         owners = prev[owned_mask]
         u = owners
         if owners.size:
-            self.last_owner[vpages[owned_mask]] = owners
-            self.last_generation[vpages[owned_mask]] = self._ledger.generation[owners]
+            self.last_freed[vpages[owned_mask]] = owners.astype(np.int64) | self._ledger.generation[owners] << 32
             owned = self.owned
             first = owners[0]
             if (owners == first).all():  # the usual case: one request's row, in Python ints
@@ -425,8 +427,7 @@ class PoolShadow:
         again (the wrapper's free fast path has). ``pages`` is kept (held in a free group): the caller's own."""
         led = self._ledger
         owned = led.owned[self.name]
-        self.last_owner[pages] = slot
-        self.last_generation[pages] = led.generation.item(slot)
+        self.last_freed[pages] = slot | led.generation.item(slot) << 32
         had = owned.item(slot)
         if self.name == "full":
             peak = led.peak_pages

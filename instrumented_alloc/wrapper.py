@@ -59,7 +59,6 @@ _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
 _ADD = np.add
 _MAX = np.maximum
-_MIN = np.minimum
 _make_event = ev.make
 # Positional builders of the kinds built on every call (see events.builder): no keyword dict, no template copy.
 _B_ALLOC = ev.builder(ev.Alloc)
@@ -1521,9 +1520,10 @@ class InstrumentedAllocator:
             reps = idx[::ps]
             # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
             # general path's swa_mapping_inconsistent.
+            # A peer that is unmapped (0, or the -1 sentinel) names page 0 (or a negative page, read as page 0),
+            # reserved for good: the owner test below declines it, and the general path reports it
+            # (swa_mapping_inconsistent).
             peers = st.inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
-            if _MIN.reduce(peers) <= 0:
-                return _ABSENT
             if op == "free_segment":
                 parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
             else:
@@ -1565,10 +1565,35 @@ class InstrumentedAllocator:
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
+        dt = clock() - t0 if timed else 0.0  # the inner call's alone, as the general path's Free events
         pages, _, prev, n, dedup = plan
-        owner = prev[:1]  # a view of a gather made for this free alone: never written (the ledger event's slots)
-        pool.shadow.free_owned(pages, owner.item(0), n, dedup)
-        self._after_free_one(op, (pool, owner, n), clock() - t0 if timed else 0.0, st)
+        s = prev.item(0)
+        pool.shadow.free_owned(pages, s, n, dedup)
+        # _after_free_one, inlined.
+        led = st.ledger
+        if pool is full:
+            # The request's allocated length follows its full-pool pages when they shrink.
+            cap = led.owned["full"].item(s) * ps
+            allocated = led.allocated.item(s)
+            if allocated > cap:
+                led.allocated[s] = allocated = cap
+            if led.committed.item(s) > allocated:
+                led.committed[s] = allocated
+        rids = None
+        if timed:
+            rids = (led.rid_of(s),)
+            st.seq = seq = st.seq + 1
+            st.events.append(_B_FREE(seq, clock(), st.step, op, pool.name, n, rids, dt))
+        for arr in led.owned.values():
+            if arr.item(s) > 0:
+                break
+        else:
+            led.reset(s)
+            led.tainted.discard(s)
+        led.dirty.add(s)
+        if st.want_ledger:
+            # prev[:1]: a view of a gather made for this free alone, never written.
+            self._emit_ledger(op, prev[:1], rids or (led.rid_of(s),), private=True)
         if st.bus.active or st.to_raise or st.events:
             self._finish()
         return result
