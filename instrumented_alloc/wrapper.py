@@ -2180,10 +2180,13 @@ class InstrumentedAllocator:
         st = self._w_st
         led = st.ledger
         slot = led.slot_of(rid, create=False)
-        held = {n: int(a[slot]) for n, a in led.owned.items()}
-        total = sum(held.values())
-        peak = max(int(led.peak_pages[slot]), int(led.owned["full"][slot]))
+        owned = led.owned
+        total = 0
+        for a in owned.values():
+            total += a.item(slot)  # Python ints: no dict, no numpy scalars on the usual (clean) release
+        peak = max(led.peak_pages.item(slot), owned["full"].item(slot))
         if total > 0:
+            held = {n: a.item(slot) for n, a in owned.items()}
             detail = ", ".join(f"{n}: {v}" for n, v in held.items() if v)
             self._violate(
                 "request_leak",
