@@ -644,19 +644,21 @@ class InstrumentedAllocator:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
             led = st.ledger
+            lens = None if lens is None else np.asarray(lens, np.int64)
             if hit is not None and hit[0] is led and hit[1] == led.epoch:
-                slots, codes = hit[2][1], hit[2][3]  # the same ids map to the same slots (see above)
-            else:
-                slots = led.slots_of(rids)
-                # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) and later
-                # bindings of the same batch share them instead of a copy each, which is safe because slots_of
-                # returns a fresh array that owns its memory.
-                slots.flags.writeable = False
-                codes = None
+                # The same ids map to the same slots (see above): the remembered binding again, its own lens.
+                bound = tls.bound = hit[2]
+                bound[2] = lens
+                return tls
+            slots = led.slots_of(rids)
+            # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) and later bindings
+            # of the same batch share them instead of a copy each, which is safe because slots_of returns a fresh
+            # array that owns its memory.
+            slots.flags.writeable = False
             # The last entry: the slots as owner codes (int32, read-only), made by the decode fast path when it
             # first needs them (it compares the pages' owners to them in one memcmp; an extend's binding never
             # needs them).
-            bound = tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), codes]
+            bound = tls.bound = [rids, slots, lens, None]
             if len(memo) >= _BIND_MEMO:
                 memo.clear()
             memo[rids] = (led, led.epoch, bound)
