@@ -1497,11 +1497,12 @@ class InstrumentedAllocator:
         are all mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped
         (``free_full``, ``free_full_segment``). Then it forwards and mirrors what the general path mirrors and
         returns the inner's result: a free of one pool (every op but an SWA ``free_segment``) inline, the
-        shadow's one-owner mirror (``PoolShadow.free_owned``) then the ledger (``_after_free_one``), with the
-        general path's failure handling (an inner that raises after changing its free lists is mirrored first);
-        two pools through ``_forward_free`` with the general path's plans. Anything else (a fault, another op,
-        another dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and
-        reports it.
+        shadow's one-owner mirror (``PoolShadow.free_owned``) then the ledger and events as ``_after_free_one``
+        makes them, with the general path's failure handling (an inner that raises after changing its free lists
+        is mirrored first, through the general plans); two pools through ``_forward_free`` with those plans.
+        Anything else (a fault, another op, another dtype) returns ``_ABSENT`` having changed nothing: the
+        general path then checks the call and reports it. A segment's unmapped SWA peer (0, or the -1 sentinel)
+        reads as page 0, reserved for good, which the owner test declines.
 
         The pages per pool are the general path's parts computed directly (``_full_set_part``,
         ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures.
