@@ -1051,17 +1051,15 @@ class InstrumentedAllocator:
                         swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
                         swa_new = None  # every tail slot opens its page
                         swa_own = own if slots is None else own[-tail:]
-                check = self._check_extend
-
-                def verify(o, s=None):
-                    check(o, pos, own, full, new_mask, n_new, op, "full")
-                    if s is not None:
-                        check(s, swa_pos, swa_own, swa_pool, swa_new, swa_n_new, op, "swa")
-
-                if swa_grow is not None:
-                    self._slot_tier(verify, out, peer)
+                swa_args = (swa_pos, swa_own, swa_pool, swa_new, swa_n_new) if swa_grow is not None else None
+                if st.deferred:
+                    full_args = (pos, own, full, new_mask, n_new)
+                    self._extend_deferred(out, peer if swa_grow is not None else None, full_args, swa_args, op)
                 else:
-                    self._slot_tier(verify, out)
+                    # Immediate (host tensors): at once, no closure.
+                    self._check_extend(out.numpy(), pos, own, full, new_mask, n_new, op, "full")
+                    if swa_args is not None:
+                        self._check_extend(peer, *swa_args, op, "swa")
             if st.want_alloc:
                 emit_alloc = self._emit_alloc
                 emit_alloc(op, got, n_new, dt)
@@ -1070,6 +1068,21 @@ class InstrumentedAllocator:
             if st.events or st.to_raise or st.want_pages:
                 self._finish()
             return out
+
+    def _extend_deferred(self, out, peer, full_args: tuple, swa_args: tuple | None, op: str) -> None:
+        """Queue an extend's per-slot checks for when the slots' copies land (deferred verification). A method of
+        its own: the closure would otherwise make a cell of each variable it reads on every extend."""
+        check = self._check_extend
+
+        def verify(o, s=None):
+            check(o, *full_args, op, "full")
+            if s is not None:
+                check(s, *swa_args, op, "swa")
+
+        if peer is not None:
+            self._slot_tier(verify, out, peer)
+        else:
+            self._slot_tier(verify, out)
 
     @staticmethod
     def _extend_layout(prefix: np.ndarray, ext: np.ndarray, n: int, bs: int, slots):
