@@ -687,7 +687,8 @@ class InstrumentedAllocator:
                 self._slot_tier(lambda: self._do_release(rid))
             else:
                 self._do_release(rid)  # what _slot_tier does at once in immediate mode, without the closure
-            self._finish()
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
 
     def step(self) -> None:
         """A step boundary: deferred checks whose copies are complete, count conservation, the ledger against
@@ -2170,9 +2171,13 @@ class InstrumentedAllocator:
         )
 
     def _group_begin(self) -> None:
-        if getattr(self._w_inner, "logical_attn_allocator", None) is not None:
-            return  # HiSparse: free groups are no-ops (frees happen at once), so nothing is held
-        for p in self._w_st.pools.values():
+        st = self._w_st
+        pools = st.pools
+        if len(pools) == 1 and st.full.allocator is not st.inner:
+            # HiSparse (one pool, its logical allocator: see __init__): free groups are no-ops (frees happen at
+            # once), so nothing is held.
+            return
+        for p in pools.values():
             p.shadow.group_begin()
 
     def _group_end(self) -> None:
