@@ -1512,8 +1512,9 @@ class InstrumentedAllocator:
         (``free_full``, ``free_full_segment``). Then it forwards and mirrors what the general path mirrors and
         returns the inner's result: a free of one pool (every op but an SWA ``free_segment``) inline, the
         shadow's one-owner mirror (``PoolShadow.free_owned``) then the ledger and events as ``_after_free_one``
-        makes them, with the general path's failure handling (an inner that raises after changing its free lists
-        is mirrored first, through the general plans); two pools through ``_forward_free`` with those plans.
+        makes them, with the general path's failure handling (an inner that raises after changing that pool's
+        free list is mirrored first, through the general plans); two pools through ``_forward_free`` with those
+        plans.
         Anything else (a fault, another op, another dtype) returns ``_ABSENT`` having changed nothing: the
         general path then checks the call and reports it. A segment's unmapped SWA peer (0, or the -1 sentinel)
         reads as page 0, reserved for good, which the owner test declines.
@@ -1570,15 +1571,17 @@ class InstrumentedAllocator:
             return self._forward_free(op, forward, plans, st)
         # One pool: _forward_free and _apply_frees inlined, the mirror without apply_free's owner tests (done above).
         pool, plan = plans[0]
-        pools = st.pools.values()
-        before = None if st.atomic_free else [p.allocator.available_size() for p in pools]
+        # The free list this free releases into: the only one the mirror below changes, so the only count to
+        # compare if the inner raises (one call, where _forward_free reads every pool's).
+        available = None if st.atomic_free else pool.allocator.available_size
+        before = None if available is None else available()
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
         t0 = clock() if timed else 0.0
         try:
             result = method(index) if start_pos is _ABSENT else method(index, start_pos=start_pos)
         except BaseException:
-            if before is not None and before != [p.allocator.available_size() for p in pools]:
+            if available is not None and before != available():
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
