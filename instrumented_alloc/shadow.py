@@ -137,7 +137,6 @@ class PoolShadow:
         self._owner_ext = np.empty(num_pages + 2, np.int32)
         self._owner_ext[-1] = RESERVED
         self.owner = self._owner_ext[:-1]
-        # The slot that last owned each page: names the request behind a double free of a page already free.
         # The request that last owned each page, to name it behind a double free of a page already free: its slot
         # and the slot's generation then (a slot released since names another request), packed in one int64 as
         # ``slot | generation << 32`` (one store per free instead of two); -1: none.

@@ -1536,11 +1536,9 @@ class InstrumentedAllocator:
                 return _ABSENT
         elif op == "free_swa_segment" or op == "free_segment":
             reps = idx[::ps]
-            # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
-            # general path's swa_mapping_inconsistent.
-            # A peer that is unmapped (0, or the -1 sentinel) names page 0 (or a negative page, read as page 0),
-            # reserved for good: the owner test below declines it, and the general path reports it
-            # (swa_mapping_inconsistent).
+            # A slot outside the mapping reads a clamped entry, as in _peers_at. An unmapped peer (0, or the -1
+            # sentinel) names page 0 (or a negative page, read as page 0), reserved for good: the owner test below
+            # declines it, and the general path reports it (swa_mapping_inconsistent).
             peers = st.inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
             if op == "free_segment":
                 parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
