@@ -115,6 +115,18 @@ _FEW_DIRTY = 8
 _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
 
 
+def _distinct_pages(slots: np.ndarray, ps: int, shift: int, offsets: np.ndarray) -> np.ndarray:
+    """``sorted_unique(slots >> shift)`` (the sorted distinct pages of a set-shaped free, a fresh array). A row of
+    whole-page runs (each run a page's slots in order from its first, the last run maybe shorter: what an engine
+    frees for a finished request) is recognised from one slot per page, as the page-run extend check does (one
+    bytes compare), and its pages sorted if none repeats; any other layout goes through ``sorted_unique``."""
+    heads = slots[::ps] >> shift
+    if slots.tobytes() == ((heads << shift)[:, None] + offsets).tobytes()[: slots.nbytes] and not has_repeat(heads):
+        heads.sort()
+        return heads
+    return sorted_unique(slots >> shift)
+
+
 class _CallState:
     """What the per-call paths read and write, on a plain slotted object: the wrapper's own attributes are slow to
     read (its class defines ``__getattr__`` to forward, which keeps CPython 3.11 from specialising attribute
@@ -1531,7 +1543,7 @@ class InstrumentedAllocator:
             if op == "free_segment":
                 parts = ((full, idx[::ps] >> shift, False),)
             elif op == "free" or op == "free_full" or op == "free_full_segment":
-                parts = ((full, idx >> shift, True),)  # set-shaped on a single pool
+                parts = ((full, idx, True),)  # set-shaped on a single pool (slots: pages below)
             else:
                 return _ABSENT
         elif op == "free_swa_segment" or op == "free_segment":
@@ -1548,13 +1560,13 @@ class InstrumentedAllocator:
             peers = st.inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
             if _MAX.reduce(peers) > 0:
                 return _ABSENT  # a live SWA peer: the general path reports it
-            parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
+            parts = ((full, idx, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
         else:
             return _ABSENT
         plans = []
         for pool, pages, dedup in parts:
             if dedup:
-                pages = sorted_unique(pages)
+                pages = _distinct_pages(pages, ps, shift, pool.shadow.offsets)  # slots -> their distinct pages
             # One clipped gather (a page outside the pool reads as reserved) and one memcmp: every page owned by
             # the first page's owner, a request (>= 0). That is plan_free's usual case with the owner known.
             prev = pool.shadow._owner_ext.take(pages, mode="clip")

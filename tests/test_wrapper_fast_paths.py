@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from instrumented_alloc import InstrumentedAllocator, wrapper
+from instrumented_alloc import InstrumentedAllocator, shadow, wrapper
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
@@ -769,3 +769,35 @@ def test_remembered_binding_still_rejects_bad_ids():
     w.step()
     assert not w.violations
     assert [w.ledger[r.rid].kv_committed_len for r in reqs] == [PS + 2, PS + 2]
+
+
+def _slot_arrays(rng):
+    """Slot arrays a free may pass: page-run rows (whole, a partial last page, from mid-page), rows with a page
+    twice, shuffled slots, negative and huge values, runs of one value, and short ones."""
+    for n_pages in (1, 2, 5, 17, 70):
+        pages = rng.choice(4096, size=n_pages, replace=False)
+        row = (pages[:, None] * PS + np.arange(PS)).reshape(-1)
+        yield row
+        yield row[: -(PS - 1)]  # the last page partial
+        yield row[1:]  # from mid-page
+        yield np.concatenate([row, row[:PS]])  # a page twice
+        yield rng.permutation(row)
+        yield row[::-1].copy()
+    for n in (1, 2, 3, 63, 64, 65, 200):
+        yield rng.integers(-3 * PS, 50 * PS, size=n)
+        yield np.full(n, 7 * PS + 1)
+    yield np.array([-PS, -PS + 1, -PS + 2, -1])  # a run in the negative page -1
+    yield np.array([2**40 * PS + i for i in range(PS)])
+
+
+def test_distinct_pages_and_sorted_unique_are_np_unique():
+    rng = np.random.default_rng(0)
+    offsets = np.arange(PS, dtype=np.int64)
+    shift = PS.bit_length() - 1
+    for slots in _slot_arrays(rng):
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        want = np.unique(slots >> shift)
+        for got in (wrapper._distinct_pages(slots, PS, shift, offsets), shadow.sorted_unique(slots >> shift)):
+            assert got.dtype == np.int64
+            assert got.tolist() == want.tolist()
+            assert not np.shares_memory(got, slots)
