@@ -11,6 +11,8 @@ Contract:
   nothing inside the sliding window evicted (``seq_len`` is the committed length).
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
   cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``).
+- ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
+  returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
 - Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
 """
