@@ -1019,9 +1019,16 @@ class InstrumentedAllocator:
             full, swa_pool = st.full, st.swa
             led = st.ledger
             if slots is not None:
-                led.owned["full"][slots] += grow
-                led.committed[slots] = seq
-                led.allocated[slots] = ceil_seq * ps
+                if bs == 1:  # Python ints: a fancy-index update is a gather and a scatter
+                    s0 = slots.item(0)
+                    owned_full = led.owned["full"]
+                    owned_full[s0] = owned_full.item(s0) + grow.item(0)
+                    led.committed[s0] = seq.item(0)
+                    led.allocated[s0] = ceil_seq.item(0) * ps
+                else:
+                    led.owned["full"][slots] += grow
+                    led.committed[slots] = seq
+                    led.allocated[slots] = ceil_seq * ps
                 if st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
@@ -1035,7 +1042,12 @@ class InstrumentedAllocator:
                     swa_ext = np.array([tail], np.int64)  # bs == 1: the tail is the request's whole SWA share
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
-                    led.owned["swa"][slots] += swa_grow
+                    owned_swa = led.owned["swa"]
+                    if bs == 1:
+                        s0 = slots.item(0)
+                        owned_swa[s0] = owned_swa.item(s0) + swa_grow.item(0)
+                    else:
+                        owned_swa[slots] += swa_grow
             if runs:
                 # Immediate: called directly, no closure (this is every fresh request's extend).
                 o = out.numpy()
