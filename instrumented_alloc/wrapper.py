@@ -986,8 +986,11 @@ class InstrumentedAllocator:
             if out is None:
                 return self._alloc_none(op, n, before, dt)
             ps, shift = st.ps, st.shift
-            prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
-            seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
+            prefix, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+            if prefix.dtype is not _I64:  # int32 lengths (the usual int64 needs no call)
+                prefix = prefix.astype(np.int64)
+            if seq.dtype is not _I64:
+                seq = seq.astype(np.int64)
             ext = seq - prefix
             m = ps - 1
             if shift is not None:  # a shift floors as // does, for a third of the cost
@@ -997,7 +1000,7 @@ class InstrumentedAllocator:
             grow = ceil_seq - ceil_prefix
             # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
             # Python (a microsecond each on a batch).
-            n_new = int(_ADD.reduce(grow))
+            n_new = grow.item(0) if bs == 1 else int(_ADD.reduce(grow))
             got = int(out.shape[0])
             if got != n:
                 self._violate(
@@ -1008,7 +1011,10 @@ class InstrumentedAllocator:
                 return out
             # Every prefix ends on a page boundary (fresh requests, whole-page chunks): every slot opens a page taken
             # from the free list (on_alloc reads new_mask None as all new, and judges it with one comparison).
-            aligned = not np.count_nonzero(prefix & m if shift is not None else prefix % ps)
+            if bs == 1:
+                aligned = not prefix.item(0) % ps
+            else:
+                aligned = not np.count_nonzero(prefix & m if shift is not None else prefix % ps)
             # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
             # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
             # chunks) try the page-run check first (_alloc_runs), which needs neither the slots' positions nor
