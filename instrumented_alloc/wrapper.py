@@ -974,7 +974,13 @@ class InstrumentedAllocator:
                 slots = bound[1]
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
-            before = self._entries_before() if st.capture_before else None
+            if not st.capture_before:
+                before = None
+            elif st.need_sort:
+                before = self._entries_before()
+            else:
+                # _entries_before's two-pool case, inline (an SWA allocator's every extend): free+staged page counts.
+                before = [(p.allocator.available_size() // p.page_size, 0) for p in st.pools.values()]
             t0 = st.clock()
             try:
                 out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
