@@ -12,6 +12,8 @@ Contract:
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
   cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``,
   ``wrapper._DecodeRoll``).
+- ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
+  returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
 - Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
 """
@@ -98,6 +100,9 @@ class KvLedger:
         # allocation updates: what a step boundary compares against the pages.
         self.dirty: set[int] = set()
         self.version = 0
+        # Counts the changes of the id -> slot mapping (a new id, a release): a memo of slots_of is valid while
+        # it is unchanged (see wrapper._bind).
+        self.epoch = 0
         self._live_cache: np.ndarray | None = None
         self._rid_to_slot: dict = {}
         self._slot_rid: list = []
@@ -145,15 +150,23 @@ class KvLedger:
         self._slot_rid[slot] = rid
         self.live[slot] = True
         self._live_cache = None
+        self.epoch += 1
         return slot
 
     def slots_of(self, rids) -> np.ndarray:
         """The slot of each request id, in order; a new id gets one (every batch of an engine names mostly
         known requests: one dict lookup each, no method call)."""
         to_slot = self._rid_to_slot
+        if type(rids) is tuple or type(rids) is list:
+            try:
+                # Every id known (the usual batch): one C-level pass, no list.
+                return np.fromiter(map(to_slot.__getitem__, rids), np.int64, len(rids))
+            except KeyError:
+                pass  # some new id: below
         get = to_slot.get
         slots = [get(r) for r in rids]
         if None in slots:
+            self.epoch += 1
             # New requests (an extend's batch): slots taken in one pass, marked live with one vector store.
             free = self._free_slots
             n = len(slots)
@@ -191,6 +204,7 @@ class KvLedger:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
         slot = self._rid_to_slot.pop(rid)
         self.version += 1
+        self.epoch += 1
         self.live[slot] = False
         self.generation[slot] += 1
         self._live_cache = None

@@ -27,6 +27,9 @@ import numpy as np
 # Page codes (owner < 0). Free-like codes are the lowest, so "allocatable" is one comparison: owner <= FREE.
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
+_ALL = np.logical_and.reduce  # ndarray.all() goes through a Python wrapper
+_MAX = np.maximum.reduce
+_SLOT_MASK = (1 << 32) - 1
 
 USED_UNOWNED = -1  # handed out to no known request (unattributed call, or lost by the allocator)
 RESERVED = -2  # page 0, the padding sink
@@ -48,9 +51,9 @@ STATE_NAMES = {
 
 
 def sorted_unique(a: np.ndarray) -> np.ndarray:
-    """``np.unique(a)`` for a 1-D integer array (sorted distinct values), without its fixed cost: numpy 2's
-    ``unique`` spends several microseconds per call even on a handful of values (13 us on 256), a sort and a
-    neighbour compare about 1.5."""
+    """``np.unique(a)`` for a 1-D integer array (sorted distinct values, a fresh array), without its fixed cost:
+    numpy 2's ``unique`` spends several microseconds per call even on a handful of values (13 us on 256), a sort
+    and a neighbour compare about 1.5."""
     n = a.size
     if n < 2:
         return a.copy()
@@ -60,14 +63,18 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
         heads = np.empty(n, bool)
         heads[0] = True
         np.not_equal(a[1:], a[:-1], out=heads[1:])
-        a = a[heads]
-        n = a.size
-        if n < 2:
-            return a
-    srt = np.sort(a)
-    keep = np.empty(n, bool)
+        srt = a[heads]  # a boolean gather: a fresh array
+        if srt.size < 2:
+            return srt
+    else:
+        srt = a.copy()
+    srt.sort()  # in place (np.sort copies first, through a Python wrapper)
+    differ = srt[1:] != srt[:-1]
+    if _ALL(differ):
+        return srt  # the usual case: no value repeats once runs are gone
+    keep = np.empty(srt.size, bool)
     keep[0] = True
-    np.not_equal(srt[1:], srt[:-1], out=keep[1:])
+    keep[1:] = differ
     return srt[keep]
 
 
@@ -131,13 +138,16 @@ class PoolShadow:
         self._owner_ext = np.empty(num_pages + 2, np.int32)
         self._owner_ext[-1] = RESERVED
         self.owner = self._owner_ext[:-1]
-        # The slot that last owned each page: names the request behind a double free of a page already free.
-        self.last_owner = np.empty(num_pages + 1, np.int32)
-        self.last_generation = np.zeros(num_pages + 1, np.int64)
+        # The request that last owned each page, to name it behind a double free of a page already free: its slot
+        # and the slot's generation then (a slot released since names another request), packed in one int64 as
+        # ``slot | generation << 32`` (one store per free instead of two); -1: none.
+        self.last_freed = np.empty(num_pages + 1, np.int64)
         # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
         # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
         self.deltas: list | None = None
         self.version = 0
+        # The slot offsets within a page (int64): a page's slots are its first slot + these (page-run checks).
+        self.offsets = np.arange(page_size, dtype=np.int64)
         self.clear()
 
     def _set(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
@@ -174,7 +184,7 @@ class PoolShadow:
         self.version += 1
         self.owner.fill(PRISTINE)
         self.owner[0] = RESERVED
-        self.last_owner.fill(-1)
+        self.last_freed.fill(-1)
         if self.deltas is not None:
             self.deltas.append((np.arange(self.owner.size, dtype=np.int64), self.owner.copy()))
         self.expected_entries = self.num_pages
@@ -348,8 +358,9 @@ class PoolShadow:
         double = ~unalloc & ~reserved
         if double.any():
             page = int(bp[double][0])
-            last = int(self.last_owner[page])
-            if last >= 0 and self._ledger.generation[last] != self.last_generation[page]:
+            packed = self.last_freed.item(page)
+            last = packed & _SLOT_MASK if packed >= 0 else -1
+            if last >= 0 and self._ledger.generation.item(last) != packed >> 32:
                 last = -1  # that request was released since; its slot now names another one
             bad.append(
                 (
@@ -380,8 +391,7 @@ class PoolShadow:
         if first >= 0 and prev.tobytes() == prev[:1].tobytes() * n:
             # The usual free: every page owned by one request. Scalars instead of masks and gathers.
             owned = self.owned
-            self.last_owner[vpages] = first
-            self.last_generation[vpages] = self._ledger.generation[first]
+            self.last_freed[vpages] = first | self._ledger.generation.item(first) << 32
             if self.name == "full":
                 peak = self._ledger.peak_pages
                 peak[first] = max(int(peak[first]), int(owned[first]))
@@ -392,8 +402,7 @@ class PoolShadow:
         owners = prev[owned_mask]
         u = owners
         if owners.size:
-            self.last_owner[vpages[owned_mask]] = owners
-            self.last_generation[vpages[owned_mask]] = self._ledger.generation[owners]
+            self.last_freed[vpages[owned_mask]] = owners.astype(np.int64) | self._ledger.generation[owners] << 32
             owned = self.owned
             first = owners[0]
             if (owners == first).all():  # the usual case: one request's row, in Python ints
@@ -411,6 +420,28 @@ class PoolShadow:
                 owned[u] -= counts
         self._release(pages, vpages, n_entries, dedup)
         return u
+
+    def free_owned(self, pages: np.ndarray, slot: int, n: int, dedup: bool) -> None:
+        """``apply_free`` for a free already judged to release ``n`` pages (``pages``, int64, in range) that were
+        all in use by request slot ``slot`` (>= 0): what apply_free's one-owner case applies, without testing it
+        again (the wrapper's free fast path has). ``pages`` is kept (held in a free group): the caller's own."""
+        led = self._ledger
+        owned = led.owned[self.name]
+        self.last_freed[pages] = slot | led.generation.item(slot) << 32
+        had = owned.item(slot)
+        if self.name == "full":
+            peak = led.peak_pages
+            if had > peak.item(slot):
+                peak[slot] = had
+        owned[slot] = had - n
+        if self.in_group:
+            (self.held_set if dedup else self.held_ids).append(pages)
+            self._set(pages, HELD_SET if dedup else HELD_IDS)
+        else:
+            self._set(pages, STAGED if self.need_sort else FREE)
+            if self.need_sort:
+                self.n_staged += n
+            self.expected_entries += n
 
     def _release(self, pages, vpages, n_entries: int, dedup: bool) -> None:
         if self.in_group:
@@ -433,13 +464,18 @@ class PoolShadow:
         for held, dedup in ((self.held_set, True), (self.held_ids, False)):
             if not held:
                 continue
-            pages = np.concatenate(held)
-            if dedup:
-                pages = sorted_unique(pages)
+            if len(held) == 1:
+                # One free in the group: its pages as planned (set-shaped ones are sorted_unique already).
+                pages = held[0]
+            else:
+                pages = np.concatenate(held)
+                if dedup:
+                    pages = sorted_unique(pages)
             n += pages.size
             # The held pages that are still held (in range: a clipped gather reads page 0, negatives and pages
-            # past the end as reserved, which is not held).
-            v = pages[self._owner_ext.take(pages, mode="clip") <= HELD_SET]
+            # past the end as reserved, which is not held). Usually all of them: no mask then.
+            prev = self._owner_ext.take(pages, mode="clip")
+            v = pages if not pages.size or _MAX(prev) <= HELD_SET else pages[prev <= HELD_SET]
             self._set(v, code)
         self.held_set, self.held_ids = [], []
         self.expected_entries += n

@@ -60,6 +60,7 @@ _ABSENT = object()
 _I64 = np.dtype(np.int64)
 _TORCH_I64 = torch.int64
 _ADD = np.add
+_MAX = np.maximum
 _make_event = ev.make
 # Positional builders of the kinds built on every call (see events.builder): no keyword dict, no template copy.
 _B_ALLOC = ev.builder(ev.Alloc)
@@ -115,10 +116,25 @@ _TAINTING = frozenset(
 _ROLL_AFTER = 16
 _ONE_B = np.ones(1, np.int64).tobytes()  # the bytes of int64 1
 
+# Bindings each thread remembers (see _bind): a decode batch, an extend's, a few more.
+_BIND_MEMO = 8
+
 # A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
 _FEW_DIRTY = 8
 
 _OWN_ATTRS = frozenset({"ledger", "violations", "violation_counts", "mode", "inner", "trace_id_for", "bus"})
+
+
+def _distinct_pages(slots: np.ndarray, ps: int, shift: int, offsets: np.ndarray) -> np.ndarray:
+    """``sorted_unique(slots >> shift)`` (the sorted distinct pages of a set-shaped free, a fresh array). A row of
+    whole-page runs (each run a page's slots in order from its first, the last run maybe shorter: what an engine
+    frees for a finished request) is recognised from one slot per page, as the page-run extend check does (one
+    bytes compare), and its pages sorted if none repeats; any other layout goes through ``sorted_unique``."""
+    heads = slots[::ps] >> shift
+    if slots.tobytes() == ((heads << shift)[:, None] + offsets).tobytes()[: slots.nbytes] and not has_repeat(heads):
+        heads.sort()
+        return heads
+    return sorted_unique(slots >> shift)
 
 
 class _CallState:
@@ -812,14 +828,35 @@ class InstrumentedAllocator:
         return _Binding(self, rids, lens)
 
     def _bind(self, rids, lens):
-        """Bind the calling thread to ``rids`` (see ``batch``); returns the thread-local that holds the binding."""
+        """Bind the calling thread to ``rids`` (see ``batch``); returns the thread-local that holds the binding.
+
+        An engine binds the same batch step after step (its decode batch changes only when a request joins or
+        leaves): each thread remembers its last few bindings (ids -> ledger slots), valid while the ledger's
+        ``epoch`` (its id -> slot mapping) is unchanged. A remembered batch was checked (hashable, distinct)
+        when it was first bound, and takes the same slots array (read-only, see below) and the same owner codes
+        the decode fast path made for it."""
         try:
             rids = tuple(rids)
-            distinct = len(set(rids))
         except TypeError:
             raise ArgumentTypeError("rids", f"expected a sequence of hashable request ids, got {rids!r:.80}") from None
-        if distinct != len(rids):
-            raise ArgumentValueError("rids", "a request id appears twice in one batch")
+        st = self._w_st
+        tls = st.tls
+        memo = getattr(tls, "memo", None)
+        if memo is None:
+            memo = tls.memo = {}
+        try:
+            hit = memo.get(rids)
+        except TypeError:  # an unhashable id: named below
+            hit = None
+        if hit is None:
+            try:
+                distinct = len(set(rids))
+            except TypeError:
+                raise ArgumentTypeError(
+                    "rids", f"expected a sequence of hashable request ids, got {rids!r:.80}"
+                ) from None
+            if distinct != len(rids):
+                raise ArgumentValueError("rids", "a request id appears twice in one batch")
         if lens is not None:
             if isinstance(lens, (str, bytes, torch.Tensor)) or not hasattr(lens, "__len__"):
                 raise ArgumentTypeError("lens", f"expected a sequence of ints, got {type(lens).__name__}")
@@ -829,18 +866,28 @@ class InstrumentedAllocator:
             # one by one, which names the bad entry.
             if not (set(map(type, lens)) <= {int} and (not len(lens) or min(lens) >= 0)):
                 lens = [check_int("lens", x) for x in lens]
-        st = self._w_st
-        tls = st.tls
         with st.lock:
             if getattr(tls, "bound", None) is not None:
                 raise RuntimeError("batch(): already inside a batch() block (binding does not nest)")
-            slots = st.ledger.slots_of(rids)
-            # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) share them instead
-            # of a copy each, which is safe because slots_of returns a fresh array that owns its memory.
+            led = st.ledger
+            lens = None if lens is None else np.asarray(lens, np.int64)
+            if hit is not None and hit[0] is led and hit[1] == led.epoch:
+                # The same ids map to the same slots (see above): the remembered binding again, its own lens.
+                bound = tls.bound = hit[2]
+                bound[2] = lens
+                return tls
+            slots = led.slots_of(rids)
+            # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) and later bindings
+            # of the same batch share them instead of a copy each, which is safe because slots_of returns a fresh
+            # array that owns its memory.
             slots.flags.writeable = False
-            # The last entry: the slots as owner codes (int32), made by the decode fast path when it first needs
-            # them (it compares the pages' owners to them in one memcmp; an extend's binding never needs them).
-            tls.bound = [rids, slots, None if lens is None else np.asarray(lens, np.int64), None]
+            # The last entry: the slots as owner codes (int32, read-only), made by the decode fast path when it
+            # first needs them (it compares the pages' owners to them in one memcmp; an extend's binding never
+            # needs them).
+            bound = tls.bound = [rids, slots, lens, None]
+            if len(memo) >= _BIND_MEMO:
+                memo.clear()
+            memo[rids] = (led, led.epoch, bound)
         return tls
 
     def release_request(self, rid) -> None:
@@ -866,7 +913,8 @@ class InstrumentedAllocator:
                 self._slot_tier(lambda: self._do_release(rid))
             else:
                 self._do_release(rid)  # what _slot_tier does at once in immediate mode, without the closure
-            self._finish()
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
 
     def step(self) -> None:
         """A step boundary: deferred checks whose copies are complete, count conservation, the ledger against
@@ -1140,7 +1188,13 @@ class InstrumentedAllocator:
                 slots = bound[1]
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
-            before = self._entries_before() if st.capture_before else None
+            if not st.capture_before:
+                before = None
+            elif st.need_sort:
+                before = self._entries_before()
+            else:
+                # _entries_before's two-pool case, inline (an SWA allocator's every extend): free+staged page counts.
+                before = [(p.allocator.available_size() // p.page_size, 0) for p in st.pools.values()]
             t0 = st.clock()
             try:
                 out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
@@ -1152,8 +1206,11 @@ class InstrumentedAllocator:
             if out is None:
                 return self._alloc_none(op, n, before, dt)
             ps, shift = st.ps, st.shift
-            prefix = prefix_lens_cpu.numpy().astype(np.int64, copy=False)
-            seq = seq_lens_cpu.numpy().astype(np.int64, copy=False)
+            prefix, seq = prefix_lens_cpu.numpy(), seq_lens_cpu.numpy()
+            if prefix.dtype is not _I64:  # int32 lengths (the usual int64 needs no call)
+                prefix = prefix.astype(np.int64)
+            if seq.dtype is not _I64:
+                seq = seq.astype(np.int64)
             ext = seq - prefix
             m = ps - 1
             if shift is not None:  # a shift floors as // does, for a third of the cost
@@ -1163,7 +1220,7 @@ class InstrumentedAllocator:
             grow = ceil_seq - ceil_prefix
             # ufunc methods and ndarray.repeat are C calls; ndarray.sum, np.cumsum and np.repeat wrap them in
             # Python (a microsecond each on a batch).
-            n_new = int(_ADD.reduce(grow))
+            n_new = grow.item(0) if bs == 1 else int(_ADD.reduce(grow))
             got = int(out.shape[0])
             if got != n:
                 self._violate(
@@ -1172,80 +1229,139 @@ class InstrumentedAllocator:
                 self._emit_alloc(op, got, n_new, dt)
                 self._finish()
                 return out
-            # Position of every returned slot, and whether it opens a page taken from the free list: None when
-            # every prefix ends on a page boundary (fresh requests, whole-page chunks), where every slot does
-            # (on_alloc reads None as all new, and judges it with one comparison instead of a select).
+            # Every prefix ends on a page boundary (fresh requests, whole-page chunks): every slot opens a page taken
+            # from the free list (on_alloc reads new_mask None as all new, and judges it with one comparison).
             if bs == 1:
-                p0 = prefix.item(0)
-                pos = np.arange(p0, p0 + n, dtype=np.int64)
+                aligned = not prefix.item(0) % ps
             else:
-                first = _ADD.accumulate(ext) - ext
-                pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-            if np.count_nonzero(prefix & m if shift is not None else prefix % ps):
-                new_mask = pos >= (ceil_prefix * ps).repeat(ext)
-            else:
-                new_mask = None
-            own = -1 if slots is None else slots.repeat(ext)
+                aligned = not np.count_nonzero(prefix & m if shift is not None else prefix % ps)
             # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
             # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
-            # chunks) try the page-run check first (_alloc_runs); the general per-slot check runs otherwise.
+            # chunks) try the page-run check first (_alloc_runs), which needs neither the slots' positions nor
+            # their owners: those are built only when it declines (the per-slot check) or for a deferred check.
             runs = (
-                new_mask is None
-                and shift is not None
-                and not st.deferred
-                and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
+                aligned and shift is not None and not st.deferred and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
             )
             full, swa_pool = st.full, st.swa
+            led = st.ledger
             if slots is not None:
-                led = st.ledger
-                led.owned["full"][slots] += grow
-                led.committed[slots] = seq
-                led.allocated[slots] = ceil_seq * ps
-                self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                if bs == 1:  # Python ints: a fancy-index update is a gather and a scatter
+                    s0 = slots.item(0)
+                    owned_full = led.owned["full"]
+                    owned_full[s0] = owned_full.item(s0) + grow.item(0)
+                    led.committed[s0] = seq.item(0)
+                    led.allocated[s0] = ceil_seq.item(0) * ps
+                else:
+                    led.owned["full"][slots] += grow
+                    led.committed[slots] = seq
+                    led.allocated[slots] = ceil_seq * ps
+                if st.want_ledger:
+                    self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is _ABSENT:
-                    swa_grow, swa_pos, swa_new, swa_own, swa_n_new = grow, pos, new_mask, own, n_new
+                    swa_grow, swa_ext, swa_n_new = grow, ext, n_new
                     peer = self._swa_peer(out)
                 elif tail > 0:
                     swa_n_new = (tail + ps - 1) // ps
                     swa_grow = np.array([swa_n_new], np.int64)
-                    swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                    swa_new = None  # every tail slot opens its page
-                    swa_own = own if slots is None else own[-tail:]
+                    swa_ext = np.array([tail], np.int64)  # bs == 1: the tail is the request's whole SWA share
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
-                    st.ledger.owned["swa"][slots] += swa_grow
-
-            def check(o, pos, own, pool, new, n, name):
-                if runs and self._alloc_runs(o, pos, own, pool.shadow, n):
-                    return
-                # Bit operations where the page size is a power of two (they floor negatives as % and // do).
-                if shift is not None:
-                    misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
-                else:
-                    misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
-                if misaligned:
-                    self._misaligned(o, pos, own, op, name)
-                bad = pool.shadow.on_alloc(pages, own, new, n, op)
-                if bad:
-                    self._report(bad, name, op)
-
-            def verify(o, s=None):
-                check(o, pos, own, full, new_mask, n_new, "full")
-                if s is not None:
-                    check(s, swa_pos, swa_own, swa_pool, swa_new, swa_n_new, "swa")
-
-            if swa_grow is not None:
-                self._slot_tier(verify, out, peer)
+                    owned_swa = led.owned["swa"]
+                    if bs == 1:
+                        s0 = slots.item(0)
+                        owned_swa[s0] = owned_swa.item(s0) + swa_grow.item(0)
+                    else:
+                        owned_swa[slots] += swa_grow
+            if runs:
+                # Immediate: called directly, no closure (this is every fresh request's extend).
+                o = out.numpy()
+                pos = own = None
+                if not self._alloc_runs(o, slots, grow, ext, full.shadow, n_new):
+                    pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                    self._check_extend(o, pos, own, full, None, n_new, op, "full")
+                if swa_grow is not None and not self._alloc_runs(
+                    peer, slots, swa_grow, swa_ext, swa_pool.shadow, swa_n_new
+                ):
+                    if tail is _ABSENT:
+                        if pos is None:
+                            pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                        swa_pos, swa_own = pos, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_own = -1 if slots is None else slots.repeat(swa_ext)
+                    self._check_extend(peer, swa_pos, swa_own, swa_pool, None, swa_n_new, op, "swa")
             else:
-                self._slot_tier(verify, out)
-            emit_alloc = self._emit_alloc
-            emit_alloc(op, got, n_new, dt)
-            if swa_grow is not None:
-                emit_alloc(op, int(swa_pos.size), swa_n_new, 0.0, pool="swa")
-            self._finish()
+                pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                new_mask = None if aligned else pos >= (ceil_prefix * ps).repeat(ext)
+                if swa_grow is not None:
+                    if tail is _ABSENT:
+                        swa_pos, swa_new, swa_own = pos, new_mask, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_new = None  # every tail slot opens its page
+                        swa_own = own if slots is None else own[-tail:]
+                swa_args = (swa_pos, swa_own, swa_pool, swa_new, swa_n_new) if swa_grow is not None else None
+                if st.deferred:
+                    full_args = (pos, own, full, new_mask, n_new)
+                    self._extend_deferred(out, peer if swa_grow is not None else None, full_args, swa_args, op)
+                else:
+                    # Immediate (host tensors): at once, no closure.
+                    self._check_extend(out.numpy(), pos, own, full, new_mask, n_new, op, "full")
+                    if swa_args is not None:
+                        self._check_extend(peer, *swa_args, op, "swa")
+            if st.want_alloc:
+                emit_alloc = self._emit_alloc
+                emit_alloc(op, got, n_new, dt)
+                if swa_grow is not None:
+                    emit_alloc(op, int(peer.shape[0]), swa_n_new, 0.0, pool="swa")
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
             return out
+
+    def _extend_deferred(self, out, peer, full_args: tuple, swa_args: tuple | None, op: str) -> None:
+        """Queue an extend's per-slot checks for when the slots' copies land (deferred verification). A method of
+        its own: the closure would otherwise make a cell of each variable it reads on every extend."""
+        check = self._check_extend
+
+        def verify(o, s=None):
+            check(o, *full_args, op, "full")
+            if s is not None:
+                check(s, *swa_args, op, "swa")
+
+        if peer is not None:
+            self._slot_tier(verify, out, peer)
+        else:
+            self._slot_tier(verify, out)
+
+    @staticmethod
+    def _extend_layout(prefix: np.ndarray, ext: np.ndarray, n: int, bs: int, slots):
+        """The position of every slot an extend returned, and its owner (the bound request's ledger slot, or -1
+        unattributed): what the per-slot check reads."""
+        if bs == 1:
+            p0 = prefix.item(0)
+            pos = np.arange(p0, p0 + n, dtype=np.int64)
+        else:
+            # ufunc methods and ndarray.repeat are C calls; np.cumsum and np.repeat wrap them in Python.
+            first = _ADD.accumulate(ext) - ext
+            pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
+        return pos, (-1 if slots is None else slots.repeat(ext))
+
+    def _check_extend(self, o: np.ndarray, pos: np.ndarray, own, pool: _Pool, new, n_new: int, op: str, name: str):
+        """One pool's per-slot check of an extend's slots ``o`` (positions ``pos``, owners ``own``; ``new``: the
+        open-page mask, None when every slot opens a page), then its mirror in the shadow (``on_alloc``)."""
+        ps, shift = self._w_ps, self._w_shift
+        # Bit operations where the page size is a power of two (they floor negatives as % and // do).
+        if shift is not None:
+            misaligned, pages = np.count_nonzero((o - pos) & (ps - 1)), o >> shift
+        else:
+            misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
+        if misaligned:
+            self._misaligned(o, pos, own, op, name)
+        bad = pool.shadow.on_alloc(pages, own, new, n_new, op)
+        if bad:
+            self._report(bad, name, op)
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         st = self._w_st  # every read below from it (see _CallState): the wrapper's own attributes are slow
@@ -1389,36 +1505,42 @@ class InstrumentedAllocator:
             self._finish()
         return out
 
-    def _alloc_runs(self, o: np.ndarray, pos: np.ndarray, own, shadow: PoolShadow, n_new: int) -> bool:
-        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots form runs of
-        page_size consecutive positions from the first (the last run may be shorter), each run one request's
-        (see ``_extend``), for the case where every check passes: each run lies in one page at its positions'
-        offsets (``slot - position`` the same over the run, a multiple of the page size), and each run's page was
-        free. That is the per-slot check (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on
-        one slot per page. Then it applies what ``on_alloc`` applies (owners, the same per-slot page delta when
-        deltas are kept, the free count) and returns True; otherwise it returns False having changed nothing,
-        and the per-slot check runs and reports."""
+    def _alloc_runs(
+        self, o: np.ndarray, slots, grow: np.ndarray, ext: np.ndarray, shadow: PoolShadow, n_new: int
+    ) -> bool:
+        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots ``o`` form runs of
+        page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
+        run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
+        its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
+        0 .. page_size - 1, compared as bytes), and each run's page was free. That is the per-slot check
+        (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
+        what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the same per-slot
+        page delta when deltas are kept, the free count) and returns True; otherwise it returns False having
+        changed nothing, and the per-slot check runs and reports. ``slots``: the bound requests' ledger slots (None:
+        unattributed); ``ext``: each request's slots in ``o``."""
         ps, shift = self._w_ps, self._w_shift
         n = o.size
         if not n or o.dtype is not _I64:
             return False
-        q = o - pos
-        k = n >> shift  # whole runs
-        starts = q[::ps]
-        if k and np.count_nonzero(q[: k << shift].reshape(k, ps) != starts[:k, None]):
+        pages = o[::ps] >> shift  # one per run (a negative slot floors to a negative page: reserved below)
+        # Each run's expected slots: its page's first slot + the offsets. One bytes compare checks alignment and
+        # that no run leaves its page.
+        expected = (pages << shift)[:, None] + shadow.offsets
+        if o.tobytes() != expected.tobytes()[: o.nbytes]:
             return False
-        if n & (ps - 1) and np.count_nonzero(q[k << shift :] != starts[k]):
-            return False
-        if np.count_nonzero(starts & (ps - 1)):
-            return False  # slot_page_alignment (or a negative slot)
         # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
-        pages = o[::ps] >> shift
-        if np.count_nonzero(shadow._owner_ext.take(pages, mode="clip") > FREE):
+        if _MAX.reduce(shadow._owner_ext.take(pages, mode="clip")) > FREE:
             return False
-        shadow.owner[pages] = own[::ps] if type(own) is np.ndarray else own
+        if slots is None:
+            shadow.owner[pages] = -1
+        elif slots.size == 1:
+            shadow.owner[pages] = slots  # broadcast: one request owns every page
+        else:
+            shadow.owner[pages] = slots.repeat(grow)
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
-            shadow.note(o >> shift, own)  # what on_alloc records: one entry per slot
+            # What on_alloc records: one entry per slot.
+            shadow.note(o >> shift, -1 if slots is None else slots.repeat(ext))
         shadow.expected_entries -= n_new
         return True
 
@@ -1707,8 +1829,6 @@ class InstrumentedAllocator:
         this allocator has nothing to check for it (an SWA op on a single pool). A name, looked up only when the
         fast path declines: a bound method per call costs a slow lookup on the wrapper (see _CallState)."""
         st = self._w_st  # every read below from it (see _CallState)
-        method = getattr(st.inner, op)
-        forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
         with st.lock:
             st.op = op
             # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
@@ -1725,25 +1845,33 @@ class InstrumentedAllocator:
                     self._validate(op, check_index_tensor, arg, index, st.device)
                 else:
                     self._segment_args(op, index, start_pos)
-            if index.numel() == 0:
-                return forward()
-            if st.fast_free:
-                result = self._free_fast(st, op, index, forward)
+            if st.fast_free and index.numel():
+                result = self._free_fast(st, op, index, start_pos)
                 if result is not _ABSENT:
                     return result
+            method = getattr(st.inner, op)
+            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
+            if index.numel() == 0:
+                return forward()
             parts = getattr(self, parts_of)(index, op)
             if parts is None:
                 return forward()
             return self._free(op, forward, parts)
 
-    def _free_fast(self, st: _CallState, op: str, index, forward: Callable):
-        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices), for the case
-        where every check passes: every page it releases, in each pool, is in use by one and the same request;
-        no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment are all
-        mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped (``free_full``,
-        ``free_full_segment``). Then it forwards and mirrors exactly as the general path does (the same plans
-        through ``_forward_free``) and returns the inner's result. Anything else (a fault, another op, another
-        dtype) returns ``_ABSENT`` having changed nothing: the general path then checks the call and reports it.
+    def _free_fast(self, st: _CallState, op: str, index, start_pos):
+        """Immediate verification of the usual free (power-of-two page size > 1, int64 host indices, not empty), for
+        the case where every check passes: every page it releases, in each pool, is in use by one and the same
+        request; no page repeats where the inner does not dedup; on an SWA allocator the SWA peers of a segment
+        are all mapped (``free_swa_segment``, ``free_segment``) and a full free finds none still mapped
+        (``free_full``, ``free_full_segment``). Then it forwards and mirrors what the general path mirrors and
+        returns the inner's result: a free of one pool (every op but an SWA ``free_segment``) inline, the
+        shadow's one-owner mirror (``PoolShadow.free_owned``) then the ledger and events as ``_after_free_one``
+        makes them, with the general path's failure handling (an inner that raises after changing that pool's
+        free list is mirrored first, through the general plans); two pools through ``_forward_free`` with those
+        plans.
+        Anything else (a fault, another op, another dtype) returns ``_ABSENT`` having changed nothing: the
+        general path then checks the call and reports it. A segment's unmapped SWA peer (0, or the -1 sentinel)
+        reads as page 0, reserved for good, which the owner test declines.
 
         The pages per pool are the general path's parts computed directly (``_full_set_part``,
         ``_full_segment_part``, ``_swa_segment_part``, ``_peer_released_check``), without their closures.
@@ -1757,31 +1885,30 @@ class InstrumentedAllocator:
             if op == "free_segment":
                 parts = ((full, idx[::ps] >> shift, False),)
             elif op == "free" or op == "free_full" or op == "free_full_segment":
-                parts = ((full, idx >> shift, True),)  # set-shaped on a single pool
+                parts = ((full, idx, True),)  # set-shaped on a single pool (slots: pages below)
             else:
                 return _ABSENT
         elif op == "free_swa_segment" or op == "free_segment":
             reps = idx[::ps]
-            # A slot outside the mapping reads a clamped entry, as in _peers_at; an unmapped peer (<= 0) is the
-            # general path's swa_mapping_inconsistent.
+            # A slot outside the mapping reads a clamped entry, as in _peers_at. An unmapped peer (0, or the -1
+            # sentinel) names page 0 (or a negative page, read as page 0), reserved for good: the owner test below
+            # declines it, and the general path reports it (swa_mapping_inconsistent).
             peers = st.inner.full_to_swa_index_mapping.numpy().take(reps, mode="clip")
-            if np.count_nonzero(peers <= 0):
-                return _ABSENT
             if op == "free_segment":
                 parts = ((swa, peers >> shift, False), (full, reps >> shift, False))
             else:
                 parts = ((swa, peers >> shift, False),)
         elif op == "free_full" or op == "free_full_segment":
             peers = st.inner.full_to_swa_index_mapping.numpy().take(idx, mode="clip")
-            if np.count_nonzero(peers > 0):
+            if _MAX.reduce(peers) > 0:
                 return _ABSENT  # a live SWA peer: the general path reports it
-            parts = ((full, idx >> shift, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
+            parts = ((full, idx, True) if op == "free_full" else (full, idx[::ps] >> shift, False),)
         else:
             return _ABSENT
         plans = []
         for pool, pages, dedup in parts:
             if dedup:
-                pages = sorted_unique(pages)
+                pages = _distinct_pages(pages, ps, shift, pool.shadow.offsets)  # slots -> their distinct pages
             # One clipped gather (a page outside the pool reads as reserved) and one memcmp: every page owned by
             # the first page's owner, a request (>= 0). That is plan_free's usual case with the owner known.
             prev = pool.shadow._owner_ext.take(pages, mode="clip")
@@ -1790,7 +1917,58 @@ class InstrumentedAllocator:
             if not dedup and has_repeat(pages):
                 return _ABSENT
             plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
-        return self._forward_free(op, forward, plans, st)
+        method = getattr(st.inner, op)
+        if len(plans) != 1:
+            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
+            return self._forward_free(op, forward, plans, st)
+        # One pool: _forward_free and _apply_frees inlined, the mirror without apply_free's owner tests (done above).
+        pool, plan = plans[0]
+        # The free list this free releases into: the only one the mirror below changes, so the only count to
+        # compare if the inner raises (one call, where _forward_free reads every pool's).
+        available = None if st.atomic_free else pool.allocator.available_size
+        before = None if available is None else available()
+        timed = st.want_free  # the duration is only read by the Free events
+        clock = st.clock
+        t0 = clock() if timed else 0.0
+        try:
+            result = method(index) if start_pos is _ABSENT else method(index, start_pos=start_pos)
+        except BaseException:
+            if available is not None and before != available():
+                self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
+                self._deliver()
+            raise
+        dt = clock() - t0 if timed else 0.0  # the inner call's alone, as the general path's Free events
+        pages, _, prev, n, dedup = plan
+        s = prev.item(0)
+        pool.shadow.free_owned(pages, s, n, dedup)
+        # _after_free_one, inlined.
+        led = st.ledger
+        if pool is full:
+            # The request's allocated length follows its full-pool pages when they shrink.
+            cap = led.owned["full"].item(s) * ps
+            allocated = led.allocated.item(s)
+            if allocated > cap:
+                led.allocated[s] = allocated = cap
+            if led.committed.item(s) > allocated:
+                led.committed[s] = allocated
+        rids = None
+        if timed:
+            rids = (led.rid_of(s),)
+            st.seq = seq = st.seq + 1
+            st.events.append(_B_FREE(seq, clock(), st.step, op, pool.name, n, rids, dt))
+        for arr in led.owned.values():
+            if arr.item(s) > 0:
+                break
+        else:
+            led.reset(s)
+            led.tainted.discard(s)
+        led.dirty.add(s)
+        if st.want_ledger:
+            # prev[:1]: a view of a gather made for this free alone, never written.
+            self._emit_ledger(op, prev[:1], rids or (led.rid_of(s),), private=True)
+        if st.bus.active or st.to_raise or st.events:
+            self._finish()
+        return result
 
     def _free_parts(self, free_index, op):
         parts = self._full_set_part(free_index)
@@ -1865,11 +2043,16 @@ class InstrumentedAllocator:
 
     def _forward_then_mirror(self, name: str, mirror: Callable):
         """Argument-free state transitions: forward, then mirror them in the shadow in call order."""
-        with self._w_lock:
-            self._w_st.op = name
-            result = getattr(self._w_inner, name)()
-            self._slot_tier(mirror)
-            self._finish()
+        st = self._w_st
+        with st.lock:
+            st.op = name
+            result = getattr(st.inner, name)()
+            if st.deferred:
+                self._slot_tier(mirror)  # behind the queued checks
+            else:
+                mirror()  # what _slot_tier does at once in immediate mode
+            if st.events or st.to_raise or st.want_pages:
+                self._finish()
             return result
 
     def clear(self):
@@ -2078,14 +2261,14 @@ class InstrumentedAllocator:
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = st.pools.values()
-        before = None if st.atomic_free else [p.entries() for p in pools]
+        before = None if st.atomic_free else [p.allocator.available_size() for p in pools]
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
         t0 = clock() if timed else 0.0
         try:
             result = forward()
         except BaseException:
-            if before is not None and before != [p.entries() for p in pools]:
+            if before is not None and before != [p.allocator.available_size() for p in pools]:
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
@@ -2344,9 +2527,13 @@ class InstrumentedAllocator:
         )
 
     def _group_begin(self) -> None:
-        if getattr(self._w_inner, "logical_attn_allocator", None) is not None:
-            return  # HiSparse: free groups are no-ops (frees happen at once), so nothing is held
-        for p in self._w_st.pools.values():
+        st = self._w_st
+        pools = st.pools
+        if len(pools) == 1 and st.full.allocator is not st.inner:
+            # HiSparse (one pool, its logical allocator: see __init__): free groups are no-ops (frees happen at
+            # once), so nothing is held.
+            return
+        for p in pools.values():
             p.shadow.group_begin()
 
     def _group_end(self) -> None:
@@ -2370,10 +2557,13 @@ class InstrumentedAllocator:
         st = self._w_st
         led = st.ledger
         slot = led.slot_of(rid, create=False)
-        held = {n: int(a[slot]) for n, a in led.owned.items()}
-        total = sum(held.values())
-        peak = max(int(led.peak_pages[slot]), int(led.owned["full"][slot]))
+        owned = led.owned
+        total = 0
+        for a in owned.values():
+            total += a.item(slot)  # Python ints: no dict, no numpy scalars on the usual (clean) release
+        peak = max(led.peak_pages.item(slot), owned["full"].item(slot))
         if total > 0:
+            held = {n: a.item(slot) for n, a in owned.items()}
             detail = ", ".join(f"{n}: {v}" for n, v in held.items() if v)
             self._violate(
                 "request_leak",

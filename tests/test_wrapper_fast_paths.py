@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from instrumented_alloc import InstrumentedAllocator, wrapper
+from instrumented_alloc import InstrumentedAllocator, shadow, wrapper
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
@@ -395,6 +395,71 @@ def swa_extend_bad_slots(verify):
     return w
 
 
+def swa_free_inner_raises_after_the_change(verify):
+    # A clean free (as the shadow sees it) whose inner over-credits its SWA pool (a page listed free twice by an
+    # injected fault) and raises its post-condition after changing its free list: the change is mirrored before
+    # the exception propagates, on the fast path as on the general one.
+    w, reqs = _start(swa, verify, lens=(4 * PS, 4 * PS))
+    inner = w.inner.swa_attn_allocator
+    n_free = len(inner.free_pages)
+    inner.free_pages = torch.cat([inner.free_pages, inner.free_pages[: inner.num_pages - n_free + 1]])
+    with contextlib.suppress(AssertionError):
+        w.free_swa_segment(t(reqs[0].row[:PS]), start_pos=0)
+    w.ledger[reqs[0].rid].swa_evicted_seqlen = PS
+    with contextlib.suppress(AssertionError):
+        w.free_segment(t(reqs[1].row), start_pos=0)  # two pools: through _forward_free
+    w.step()
+    return w
+
+
+def swa_full_free_inner_raises_after_the_change(verify):
+    w, reqs = _start(swa, verify, lens=(PS, PS))
+    for r in reqs:
+        w.free_swa_segment(t(r.row), start_pos=0)  # finished: its SWA KV first (no eviction to record)
+    inner = w.inner.full_attn_allocator
+    n_free = len(inner.free_pages)
+    inner.free_pages = torch.cat([inner.free_pages, inner.free_pages[: inner.num_pages - n_free + 1]])
+    with contextlib.suppress(AssertionError):
+        w.free_full(t(reqs[0].row))
+    w.step()
+    return w
+
+
+def paged_extend_runs_unbound_and_empty(verify):
+    # Page-run extends without a binding (unowned pages), and with a request that extends by nothing between two
+    # that extend by whole pages.
+    w, reqs = _start(paged, verify, lens=(PS, PS, PS))
+    more = [Req(f"u{i}") for i in range(2)]
+    split_extend(more, [2 * PS, PS + 1], w.alloc_extend(*extend_args(more, [2 * PS, PS + 1])))
+    _extend(w, reqs, [PS, 0, 2 * PS + 3])
+    w.step()
+    return w
+
+
+def swa_tail_runs(verify):
+    # PD decode-side preallocation: the full pool for the whole prompt, the SWA pool for its tail only (page runs
+    # from position 0 on the SWA side); clean, then with the tail's SWA peers moved into a page in use.
+    w, reqs = _start(swa, verify, lens=(PS, PS))
+    zero = t([0])
+    for i, (fill, tail) in enumerate(((3 * PS + 1, 2 * PS + 1), (2 * PS, 2 * PS), (3 * PS, 2 * PS))):
+        with w.batch([f"t{i}"]):
+            out = w.alloc_extend_swa_tail(zero, zero, t([fill]), t([fill]), t([-1]), fill, tail)
+        w.ledger[f"t{i}"].swa_evicted_seqlen = (fill - tail) // PS * PS
+    mapping = w.inner.full_to_swa_index_mapping
+    real = type(w.inner).alloc_extend_swa_tail.__get__(w.inner)
+
+    def moved(*args):
+        out = real(*args)
+        mapping[out[-PS:]] = mapping[torch.tensor(reqs[0].row)]  # the tail's SWA side lands in r0's page
+        return out
+
+    w.inner.alloc_extend_swa_tail = moved
+    with w.batch(["bad"]):
+        out = w.alloc_extend_swa_tail(zero, zero, t([2 * PS]), t([2 * PS]), t([-1]), 2 * PS, PS)
+    assert out is not None
+    return w
+
+
 SCENARIOS = [
     swa_decode_page_in_use,
     swa_decode_peer_misaligned,
@@ -426,6 +491,10 @@ SCENARIOS = [
     swa_extend_runs_clean,
     paged_extend_bad_slots,
     swa_extend_bad_slots,
+    swa_free_inner_raises_after_the_change,
+    swa_full_free_inner_raises_after_the_change,
+    paged_extend_runs_unbound_and_empty,
+    swa_tail_runs,
 ]
 
 
@@ -450,6 +519,7 @@ CLEAN = {
     swa_frees_clean,
     paged_extend_runs_clean,
     swa_extend_runs_clean,
+    paged_extend_runs_unbound_and_empty,
 }  # no fault: the fast paths' own bookkeeping is compared
 
 
@@ -613,7 +683,10 @@ def test_fast_free_refused_in_raise_mode_before_the_inner_sees_it():
     assert torch.equal(w.inner.free_pages, free_before)
 
 
-@pytest.mark.parametrize("scenario", [paged_extend_runs_clean, swa_extend_runs_clean], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "scenario", [paged_extend_runs_clean, swa_extend_runs_clean, paged_extend_runs_unbound_and_empty],
+    ids=lambda f: f.__name__,
+)
 def test_clean_page_run_extends_take_the_fast_check(scenario, monkeypatch):
     # Their extends are judged one slot per page: the per-slot check (PoolShadow.on_alloc) never runs.
     def per_slot(*args, **kwargs):
@@ -1038,3 +1111,98 @@ def test_decode_roll_used_on_the_random_engines(monkeypatch):
     for seed in range(4):
         _random_mixed_engine(seed)
     assert sum(used) > 20
+
+
+def _bind_without_memo(monkeypatch):
+    """Every batch() binds from scratch: the thread's remembered bindings are dropped first."""
+    real = InstrumentedAllocator._bind
+
+    def bind(self, rids, lens):
+        self._w_tls.__dict__.pop("memo", None)
+        return real(self, rids, lens)
+
+    monkeypatch.setattr(InstrumentedAllocator, "_bind", bind)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_remembered_bindings_attribute_as_fresh_ones_on_a_random_engine(seed, monkeypatch):
+    # The random engine binds the same live batch decode after decode, and changes it (a release, a new request)
+    # between some of them.
+    remembered = _outcome(_random_engine(seed))
+    _bind_without_memo(monkeypatch)
+    assert _outcome(_random_engine(seed)) == remembered
+
+
+def _rebind_after_release(verify):
+    # The same ids bound again after one of them was released and came back (a new slot, maybe another's old
+    # one), and after another request took the released slot.
+    w = InstrumentedAllocator(paged(), mode="record", verify=verify)
+    a, b = Req("a"), Req("b")
+    _extend(w, [a, b], [PS, PS])
+    _decode(w, [a, b])
+    w.free(t(a.row))
+    w.release_request("a")
+    c = Req("c")
+    _extend(w, [c], [PS])  # takes a's slot
+    a = Req("a")
+    _extend(w, [a], [PS])
+    for _ in range(PS + 1):
+        _decode(w, [a, b])
+        w.step()
+    return w
+
+
+def test_remembered_binding_follows_a_release(monkeypatch):
+    remembered = _outcome(_rebind_after_release("immediate"))
+    assert remembered[0] == []
+    _bind_without_memo(monkeypatch)
+    assert _outcome(_rebind_after_release("immediate")) == remembered
+
+
+def test_remembered_binding_still_rejects_bad_ids():
+    w = InstrumentedAllocator(paged(), mode="record", verify="immediate")
+    reqs = [Req("a"), Req("b")]
+    _extend(w, reqs, [PS, PS])
+    _decode(w, reqs)  # ("a", "b") is remembered now
+    with pytest.raises(ValueError, match="appears twice"), w.batch(["a", "a"]):
+        pass
+    with pytest.raises(TypeError, match="hashable"), w.batch(["a", ["b"]]):
+        pass
+    with pytest.raises(RuntimeError, match="nest"), w.batch(["a", "b"]), w.batch(["a", "b"]):
+        pass
+    _decode(w, reqs)  # the refused bindings left nothing bound: this one binds and attributes as before
+    w.step()
+    assert not w.violations
+    assert [w.ledger[r.rid].kv_committed_len for r in reqs] == [PS + 2, PS + 2]
+
+
+def _slot_arrays(rng):
+    """Slot arrays a free may pass: page-run rows (whole, a partial last page, from mid-page), rows with a page
+    twice, shuffled slots, negative and huge values, runs of one value, and short ones."""
+    for n_pages in (1, 2, 5, 17, 70):
+        pages = rng.choice(4096, size=n_pages, replace=False)
+        row = (pages[:, None] * PS + np.arange(PS)).reshape(-1)
+        yield row
+        yield row[: -(PS - 1)]  # the last page partial
+        yield row[1:]  # from mid-page
+        yield np.concatenate([row, row[:PS]])  # a page twice
+        yield rng.permutation(row)
+        yield row[::-1].copy()
+    for n in (1, 2, 3, 63, 64, 65, 200):
+        yield rng.integers(-3 * PS, 50 * PS, size=n)
+        yield np.full(n, 7 * PS + 1)
+    yield np.array([-PS, -PS + 1, -PS + 2, -1])  # a run in the negative page -1
+    yield np.array([2**40 * PS + i for i in range(PS)])
+
+
+def test_distinct_pages_and_sorted_unique_are_np_unique():
+    rng = np.random.default_rng(0)
+    offsets = np.arange(PS, dtype=np.int64)
+    shift = PS.bit_length() - 1
+    for slots in _slot_arrays(rng):
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        want = np.unique(slots >> shift)
+        for got in (wrapper._distinct_pages(slots, PS, shift, offsets), shadow.sorted_unique(slots >> shift)):
+            assert got.dtype == np.int64
+            assert got.tolist() == want.tolist()
+            assert not np.shares_memory(got, slots)
