@@ -40,7 +40,8 @@ Contract:
   dict is then not written (entries left from before stay, older than every later update).
 - An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
   copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
-  block, shared by that block's ``LedgerUpdate``s and page deltas). Sinks must not write into them either.
+  binding and its owner codes, shared by that block's ``LedgerUpdate``s and page deltas, and by later blocks
+  that bind the same ids while the id -> slot mapping is unchanged). Sinks must not write into them either.
 - Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
 - Losses after a sink took the events (the OTel SDK failing to export the spans made of them, on its own thread)
   are not the bus's to see: the component registers a running total with ``add_loss_counter(name, counter)``, and
