@@ -15,7 +15,9 @@ What is traced
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
   counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
   next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
-  the sink handles any other event it reads) and ``kv.events_dropped``.
+  the sink handles any other event that reads or opens a record; an SWA eviction of an open request (its
+  ``swa_evicted_seqlen`` write and ``SwaEvict``) leaves the fold open, its write replayed in order at the
+  flush) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
