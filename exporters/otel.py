@@ -15,9 +15,9 @@ What is traced
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
   counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
   next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
-  the sink handles any other event that reads or opens a record; an SWA eviction of an open request (its
-  ``swa_evicted_seqlen`` write and ``SwaEvict``) leaves the fold open, its write replayed in order at the
-  flush) and ``kv.events_dropped``.
+  the sink handles any other event that reads or opens a record; a checked ledger write of an open request (an
+  SWA eviction's ``swa_evicted_seqlen``, about one a step) and ``SwaEvict`` leave the fold open, the write replayed
+  in order at the flush) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
@@ -1109,9 +1109,9 @@ class OtelExporter:
         # first decode is folded too (one pass over the batch per run of equal decodes, at the flush). Applied to
         # the requests' records before any other event this sink reads them for is handled (and at shutdown), so
         # every reader of those records sees what per-step updates would have left; events it does not read (Free,
-        # StepBoundary) leave the fold open, and so do two it reads without reading a record's values (an SWA
-        # eviction's LedgerWrite and SwaEvict of an open request, about one a step in a sliding-window engine):
-        # the write is kept in the fold's fourth item, [(record, column, value, seq)...], and the flush replays it
+        # StepBoundary) leave the fold open, and so do two it reads without reading a record's values (a LedgerWrite
+        # and a SwaEvict of an open request: an SWA eviction, about one a step in a sliding-window engine): the
+        # write is kept in the fold's fourth item, [(record, column, value, seq)...], and the flush replays it
         # after the decodes' values, where per-event updates would have left it (see _flush_decode).
         # Valid while the set of open spans is unchanged since the tuple's requests were all found open
         # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
