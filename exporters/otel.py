@@ -15,7 +15,9 @@ What is traced
   ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
   counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
   next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
-  the sink handles any other event it reads) and ``kv.events_dropped``.
+  the sink handles any other event that reads or opens a record; a checked ledger write of an open request (an
+  SWA eviction's ``swa_evicted_seqlen``, about one a step) and ``SwaEvict`` leave the fold open, the write replayed
+  in order at the flush) and ``kv.events_dropped``.
 - Span events: ``kv.prefill`` (``alloc_extend``/``alloc``: ``kv.n_slots``/``kv.n_pages`` of this request),
   ``kv.prealloc`` (``alloc_extend_swa_tail``/``alloc_logical_only``, with ``kv.swa_tail_len`` for a tail),
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release``
@@ -1105,9 +1107,12 @@ class OtelExporter:
         # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
         # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
         # first decode is folded too (one pass over the batch per run of equal decodes, at the flush). Applied to
-        # the requests' records before any other event this sink reads is handled (and at shutdown), so every
-        # reader of those records sees what per-step updates would have left; events it does not read (Free,
-        # StepBoundary) leave the fold open.
+        # the requests' records before any other event this sink reads them for is handled (and at shutdown), so
+        # every reader of those records sees what per-step updates would have left; events it does not read (Free,
+        # StepBoundary) leave the fold open, and so do two it reads without reading a record's values (a LedgerWrite
+        # and a SwaEvict of an open request: an SWA eviction, about one a step in a sliding-window engine): the
+        # write is kept in the fold's fourth item, [(record, column, value, seq)...], and the flush replays it
+        # after the decodes' values, where per-event updates would have left it (see _flush_decode).
         # Valid while the set of open spans is unchanged since the tuple's requests were all found open
         # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
         self._dec: list | None = None
@@ -1311,7 +1316,7 @@ class OtelExporter:
             if all(map(self._open.__contains__, rids)):
                 # Every request's span is open: this decode starts a fold without touching them; the one pass over
                 # the batch is the flush's, however many equal decodes follow.
-                self._dec = [rids, e, 1]
+                self._dec = [rids, e, 1, []]
                 self._dec_version = self._open_version
                 return
         else:
@@ -1345,7 +1350,7 @@ class OtelExporter:
                 r.evicted = v
                 r.decode_steps += 1
                 r.mark = seq
-            self._dec = [e.rids, e, 0]
+            self._dec = [e.rids, e, 0, []]
             self._dec_version = self._open_version
             return
         pending = self._pending
@@ -1371,22 +1376,33 @@ class OtelExporter:
             r.mark = seq
 
     def _flush_decode(self) -> None:
-        """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it."""
+        """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it,
+        then the deferred ledger writes, each where the per-event order puts it: one made after the latest folded
+        decode (seq above it), or to a request the decodes do not name, is applied; one made before it, to a
+        request it names, is what that decode's values replaced (the decode carries the ledger as of its call)."""
         d, self._dec = self._dec, None
-        if d is None or d[2] == 0:
+        if d is None:
             return
-        _, e, n = d
-        get = self._open.get
+        _, e, n, writes = d
         seq = e.seq
-        for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
-            r = get(rid)
-            if r is None:
-                continue  # rid None (unattributed)
-            r.allocated = r.cur_allocated = a
-            r.committed = r.cur_committed = c
-            r.evicted = v
-            r.decode_steps += n
-            r.mark = seq
+        if n:
+            # map(get, ...) rather than get(rid) in the loop: one C call per request instead of a Python-level call.
+            for r, a, c, v in zip(
+                map(self._open.get, e.rids), e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()
+            ):
+                if r is None:
+                    continue  # rid None (unattributed)
+                r.allocated = r.cur_allocated = a
+                r.committed = r.cur_committed = c
+                r.evicted = v
+                r.decode_steps += n
+                r.mark = seq
+        # Every request the fold names has mark == seq here (set above, or by the decode applied at once when the
+        # fold began; a deferred write does not move mark until now), and no other request can: seq is the
+        # latest decode's, and the writes are later than the fold's first decode.
+        for r, column, value, wseq in writes:
+            if wseq > seq or r.mark != seq:
+                self._apply_write(r, column, value, wseq)
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids
@@ -1437,26 +1453,40 @@ class OtelExporter:
         column = _LEDGER_FIELDS.get(e.field)
         if column is None or e.rid is None:
             return
+        r = self._open.get(e.rid)
         if self._dec is not None:
+            if r is not None:
+                self._dec[3].append((r, column, e.new, e.seq))  # replayed by the flush (see __init__)
+                return
             self._flush_decode()
-        r = self._req(e.rid)
-        setattr(r, column, e.new)
+        if r is None:
+            r = self._start(e.rid)
+        self._apply_write(r, column, e.new, e.seq)
+
+    @staticmethod
+    def _apply_write(r: _Req, column: str, value: int, seq: int) -> None:
+        setattr(r, column, value)
         if column != "evicted":
-            setattr(r, "cur_" + column, e.new)
-            r.mark = e.seq
+            setattr(r, "cur_" + column, value)
+            r.mark = seq
 
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:
             return
-        if self._dec is not None:
-            self._flush_decode()
+        # Reads no record's values (its span event counts at the batch's end): an open request's leaves the fold
+        # open. Opening a span first applies the fold, as every other event that changes the open set does.
+        r = self._open.get(e.rid)
+        if r is None:
+            if self._dec is not None:
+                self._flush_decode()
+            r = self._start(e.rid)
         attrs = {
             "kv.swa_evicted_seqlen.old": e.old,
             "kv.swa_evicted_seqlen.new": e.new,
             "kv.n_pages": e.n_pages,
             "kv.step": e.step,
         }
-        later.append((self._req(e.rid), EV_SWA_EVICT, attrs))
+        later.append((r, EV_SWA_EVICT, attrs))
 
     def _on_released(self, e: ev.RequestReleased, later: list) -> None:
         if self._dec is not None:

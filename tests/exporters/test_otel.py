@@ -371,6 +371,51 @@ def test_swa_prealloc_and_evictions(memory):
     assert sq.attributes["kv.committed_len"] == 16
 
 
+def test_swa_evictions_leave_the_decode_fold_open(memory):
+    """An SWA eviction of an open request (its ``swa_evicted_seqlen`` write and ``SwaEvict``) reads no record's
+    values: the decode fold stays open across it, the write deferred and replayed at the flush where per-event
+    updates put it: after the folded decodes' values when it is the later (a release right after the eviction), or
+    replaced by a later decode's values (the decode carries the ledger as of its call), or applied whatever the
+    decodes when it names a request they do not (one that holds KV but does not decode)."""
+    provider, mem = memory
+    w = InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
+    )
+    exp = OtelExporter(w, tracer_provider=provider)
+    p, q, r = Req("p"), Req("q"), Req("r")
+    extend(w, [p, q, r], [10, 10, 14])
+
+    def evict(req, upto):
+        done = w.ledger[req.rid].swa_evicted_seqlen
+        w.free_swa_segment(t(req.row[done:upto]), start_pos=done)
+        w.ledger[req.rid].swa_evicted_seqlen = upto
+
+    for _ in range(6):  # p and q from 10 to 16 tokens; r holds its 14 and does not decode
+        decode(w, [p, q])
+        w.step()
+        if p.seq == 12:
+            evict(p, 4)
+            evict(q, 4)
+            evict(r, 4)  # a request the decodes do not name
+            assert exp._dec is not None and len(exp._dec[3]) == 3  # the fold stays open, the writes deferred
+    evict(p, 8)  # after the latest decode: the value p's span ends with
+    w.free(t(p.row))
+    w.release_request("p")
+    w.free(t(q.row))
+    w.release_request("q")
+    w.free(t(r.row))
+    w.release_request("r")
+    assert not w.violations
+    spans = request_spans(mem)
+    got = {
+        rid: tuple(spans[rid].attributes[k] for k in ("kv.swa_evicted_seqlen", "kv.decode_steps", "kv.allocated_len"))
+        for rid in "pqr"
+    }
+    assert got == {"p": (8, 6, 16), "q": (4, 6, 16), "r": (4, 0, 16)}
+    assert [n for n, _ in events(spans["p"])] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict", "kv.release"]
+    assert [n for n, _ in events(spans["r"])] == ["kv.prefill", "kv.swa_evict", "kv.release"]
+
+
 # -- 3. end to end over OTLP/HTTP --------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["env-gzip", "endpoint-arg"])
 def test_otlp_http_end_to_end(otel_env, how):
