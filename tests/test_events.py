@@ -283,14 +283,16 @@ def test_paged_scenario_exact_events():
     assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_extend", "full", 17, 5, ("a", "b"))
     assert al.duration > 0
     assert (pu.op, pu.pool) == ("alloc_extend", "full")
-    assert pu.pages.tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5]
-    assert pu.owners.tolist() == [0] * 8 + [1] * 9
+    # One entry per page (not per slot): each page's owner changed once.
+    assert pu.pages.tolist() == [1, 2, 3, 4, 5]
+    assert pu.owners.tolist() == [0, 0, 1, 1, 1]
 
     lu, al, pu, sb = events[3:7]
     assert (lu.op, lu.rids, lu.slots.tolist()) == ("alloc_decode", ("a", "b"), [0, 1])
     assert (lu.allocated.tolist(), lu.committed.tolist(), lu.evicted.tolist()) == ([12, 12], [9, 10], [0, 0])
     assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_decode", "full", 2, 1, ("a", "b"))
-    assert (pu.op, pu.pool, pu.pages.tolist(), pu.owners.tolist()) == ("alloc_decode", "full", [6, 5], [0, 1])
+    # Only a's opened page: b continues page 5, which it owned already (no entry for an unchanged owner).
+    assert (pu.op, pu.pool, pu.pages.tolist(), pu.owners.tolist()) == ("alloc_decode", "full", [6], [0])
     assert (a.row[-1], b.row[-1]) == (24, 21)
     assert sb.available == {"full": 10}
 

@@ -617,7 +617,8 @@ def test_decode_run_is_per_pool_shadow():
     _decode(w, reqs)
     run = w._w_run
     assert run.shadow is w._w_full.shadow
-    assert run.pages.tolist() == [slot // PS for slot in (r.row[-1] for r in reqs)]
+    # The next decode's expected slots: each request's last slot + 1, in the page it opened.
+    assert run.o_rows[: run.row] == np.array([r.row[-1] + 1 for r in reqs], np.int64).tobytes()
 
 
 def _random_engine(seed: int, verify: str = "immediate"):
