@@ -318,6 +318,31 @@ def test_page_update_of_a_free_names_the_free():
     assert pu.op == "free"
 
 
+def test_a_decode_page_delta_reaches_a_pages_only_sink_with_its_own_call():
+    # A sink that reads PageUpdate alone (no LedgerUpdate or Alloc built): a decode's page delta is its own batch,
+    # named for the decode, not carried by the next call's batch.
+    class Pages:
+        event_types = frozenset({ev.PageUpdate})
+
+        def __init__(self):
+            self.batches = []
+
+        def __call__(self, batch):
+            self.batches.append([(e.op, e.pages.tolist()) for e in batch])
+
+    sink = Pages()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[sink])
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [PS], w.alloc_extend(*extend_args([a], [PS])))
+    for _ in range(2):
+        with w.batch(["a"]):
+            a.row.append(int(w.alloc_decode(*decode_args([a]))[0]))
+    w.step()
+    # The second decode continues the page the first opened: no delta, no batch.
+    assert sink.batches == [[("alloc_extend", [a.row[0] // PS])], [("alloc_decode", [a.row[PS] // PS])]]
+
+
 def test_free_duration_is_this_calls_duration():
     c = Collector()
     w = InstrumentedAllocator(paged(), mode="record", sinks=[c], clock=counting_clock())
