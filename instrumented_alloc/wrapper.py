@@ -345,7 +345,8 @@ class _DecodeRoll:
         keep -= 1
         self.keep = list(keep)  # the rows (views), indexed per call without making one
         self.ones_b = _ONE_B * seq.size  # what every masked difference must read
-        self.own_next = own[c]
+        self.own_next = own_next = own[c]
+        own_next.setflags(write=False)  # never written: its slices are shared by page deltas (see _decode_roll)
         if slots is not None:
             self.slots_next = slots_next = slots[c]
             self.owned_next = [(name, arr[slots_next] + 1) for name, arr in ledger.owned.items()]
@@ -1784,9 +1785,9 @@ class InstrumentedAllocator:
             shadow.owner[pages] = own_next
             shadow.version += 1
             if shadow.deltas is not None:
-                # The delta the general fast path records: the openers' pages (fresh) and owners (the roll's:
-                # copied), in batch order.
-                shadow.note(pages, own_next, private=False)
+                # The delta the general fast path records: the openers' pages (a shift computed here) and owners
+                # (a slice of the roll's read-only own_next, int32), in batch order.
+                shadow.note(pages, own_next, private=True)
             shadow.expected_entries -= n_new
             # Two requests that got one page (the general path accepts this call as well, and reports the earlier
             # one's next decode in it) break the roll's invariant: the next call goes to the general fast path.
