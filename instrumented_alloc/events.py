@@ -160,9 +160,22 @@ class Snapshot(Event):
 
 @dataclass(frozen=True)
 class PageUpdate(Event):
-    """How the shadow of ``pool`` changed: ``owner[pages] = owners`` (numpy int64 page ids, int32 codes or
-    ledger slots, see ``shadow.py``). Emitted in the order the shadow changed (for deferred verification: at
-    the step boundary), so that a recording replays page states exactly."""
+    """How the shadow of ``pool`` changed: ``owner[pages] = owners`` (numpy int64 page ids and int32 codes or
+    ledger slots of the same shape, see ``shadow.py``), applied in entry order: the last entry of a page is its
+    owner. Emitted in the order the shadow changed (for deferred verification: at the step boundary), so that
+    a recording replays page states exactly.
+
+    What it lists: every page whose owner the call changed, with its new owner, and as a rule nothing else. An
+    allocation lists each page it gave an owner once (not once per slot), a decode only the pages its requests
+    opened (a request that continues its own page has no entry), a free the distinct pages it released, a
+    ``clear()``/``resize()`` every page ``0..num_pages`` (replay reads that as a reset). Never empty: a call that
+    changes no owner (a decode in which no request opens a page) publishes no ``PageUpdate``.
+    The wrapper drops entries that change nothing only where a path knows them without extra work, so an entry
+    may still be a no-op (a page that read that owner already), and a page may appear more than once: in a call
+    that breaks a check (its pages as judged, one entry per slot or freed page), a set-shaped free inside a free
+    group of pages the group already holds, an allocation that put one page in two places of the call (two
+    requests, or one request's slots out of page order). Readers must not take the number of entries for a
+    count of pages changed, nor of slots."""
 
     op: str
     pool: str

@@ -143,7 +143,8 @@ class PoolShadow:
         # ``slot | generation << 32`` (one store per free instead of two); -1: none.
         self.last_freed = np.empty(num_pages + 1, np.int64)
         # When not None, every change of ``owner`` is appended here as (pages, codes) for the wrapper to publish
-        # (``PageUpdate`` events: what a recording replays). None when no sink listens: no cost.
+        # (``PageUpdate`` events: what a recording replays; entries known to change nothing are left out, see
+        # ``note``). None when no sink listens: no cost.
         self.deltas: list | None = None
         self.version = 0
         # The slot offsets within a page (int64): a page's slots are its first slot + these (page-run checks).
@@ -161,9 +162,10 @@ class PoolShadow:
             self.note(pages, codes, private=private)
 
     def note(self, pages: np.ndarray, codes, *, private: bool = False) -> None:
-        """Record the delta ``owner[pages] = codes`` (deltas kept, ``pages`` not empty) for a change already made,
-        or one that changes nothing (a decode that continues its requests' pages: the replay still sees the
-        decode's pages). ``private`` as in ``_set``."""
+        """Record the delta ``owner[pages] = codes`` (deltas kept, ``pages`` not empty) for a change already made:
+        what a ``PageUpdate`` carries (see its contract in ``events.py``). Callers leave out the entries they
+        already know change nothing (a decode's requests that continue their pages, an extend's repeats of one
+        page) and never note a delta whose every entry is known to change nothing. ``private`` as in ``_set``."""
         if isinstance(codes, np.ndarray) and codes.shape == pages.shape:
             if not (private and codes.dtype is _I32):
                 # A copy: the event owns it (ndarray.copy() is half the cost of astype(copy=True)).
@@ -200,10 +202,14 @@ class PoolShadow:
         return self._ledger.owned[self.name]
 
     # -- allocation -------------------------------------------------------------------------------------------
-    def on_alloc(self, pages: np.ndarray, own, new_mask: np.ndarray | None, n_new: int, op: str) -> list:
+    def on_alloc(
+        self, pages: np.ndarray, own, new_mask: np.ndarray | None, n_new: int, op: str, runs: bool = False
+    ) -> list:
         """Pages handed out, one entry per returned slot. ``own``: owner slot per entry (array) or -1.
         ``new_mask``: True where the slot opens a page taken from the free list, False where it continues the
-        request's own partial page (None: all new). Per-request page counts are the caller's (host-known)."""
+        request's own partial page (None: all new). Per-request page counts are the caller's (host-known).
+        ``runs``: the entries come in runs of one page (an extend's slots: page_size entries per page); the page
+        delta of a call that passes then keeps one entry per run (see ``_note_alloc``)."""
         bad: list = []
         if pages.size:
             # The usual allocation, judged with one clipped gather (a page outside the pool reads as reserved:
@@ -211,11 +217,43 @@ class PoolShadow:
             prev = self._owner_ext.take(pages, mode="clip")
             ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
             if np.count_nonzero(ok) == ok.size:
-                self._set(pages, own)
+                self.owner[pages] = own
+                self.version += 1
+                if self.deltas is not None:
+                    self._note_alloc(pages, own, new_mask, runs)
             else:
                 bad = self._on_alloc_judged(pages, own, new_mask, op)
         self.expected_entries -= n_new
         return bad
+
+    def _note_alloc(self, pages: np.ndarray, own, new_mask, runs: bool) -> None:
+        """The page delta of an allocation that passed every check (``owner[pages] = own`` already written), with
+        only the entries that change an owner, as far as the call already knows them: the entries that open a page
+        (``new_mask``; the others continue a page that read ``own`` before the call, and no entry that opens a
+        page writes one of those, which read free: no-ops), and with ``runs``, the first entry of each run of
+        equal (page, owner) neighbours (writing a value again right after itself changes nothing). Replaying the
+        delta leaves ``owner`` as the full write did, in every case that passes (two requests handed one page
+        included: their entries differ in owner, both are kept, in order)."""
+        private = False  # pages as the caller's (the out tensor's memory at page size 1): copied by note
+        if new_mask is not None:
+            pages = pages[new_mask]  # boolean gathers: fresh arrays
+            if isinstance(own, np.ndarray):
+                own = own[new_mask]
+            private = True
+        n = pages.size
+        if runs and n > 1:
+            keep = np.empty(n, bool)
+            keep[0] = True
+            heads = keep[1:]
+            np.not_equal(pages[1:], pages[:-1], out=heads)
+            if isinstance(own, np.ndarray):
+                heads |= own[1:] != own[:-1]
+            pages = pages[keep]
+            if isinstance(own, np.ndarray):
+                own = own[keep]
+            private = True
+        if pages.size:
+            self.note(pages, own, private=private)
 
     def _on_alloc_judged(self, pages: np.ndarray, own, new_mask, op: str) -> list:
         """``on_alloc`` when some entry breaks a rule: name every fault, then mirror what the inner did."""

@@ -244,8 +244,8 @@ class _DecodeRun:
     be verified by two comparisons instead of reading the pages again.
 
     Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
-    recorded): ``pages`` (never written: shared with page deltas) are the batch's pages, ``owner[pages]`` reads
-    ``own``, and the opening call's slots and lengths sat at offset 0 of those pages. The k-th decode verified
+    recorded): the batch's pages read their requests' codes (-1 for an unattributed batch), and the opening call's
+    slots and lengths sat at offset 0 of those pages. The k-th decode verified
     after it (k < ps) whose slots are exactly the opening ones + k and whose lengths are exactly the opening
     ones + k (row k - 1 of ``o_rows`` and ``seq_rows``) then passes every check of the general path: each slot
     continues its request's own page at its position's offset, and no request opens a page. Any change of the
@@ -253,15 +253,13 @@ class _DecodeRun:
     invalidates it; a call that does not match exactly takes the full check. SWA allocators keep no run (their
     peers are read from a mapping the inner may change)."""
 
-    __slots__ = ("end", "ledger_version", "o_rows", "own", "pages", "row", "seq_rows", "shadow", "slots_b", "version")
+    __slots__ = ("end", "ledger_version", "o_rows", "row", "seq_rows", "shadow", "slots_b", "version")
 
-    def __init__(self, shadow, ledger_version: int, slots_b, own, pages, o_rows: bytes, seq_rows: bytes, row: int):
+    def __init__(self, shadow, ledger_version: int, slots_b, o_rows: bytes, seq_rows: bytes, row: int):
         self.shadow = shadow
         self.version = shadow.version
         self.ledger_version = ledger_version
         self.slots_b = slots_b  # the slots' bytes (None: an unattributed batch)
-        self.own = own
-        self.pages = pages
         # The expected arguments of the next ps - 1 decodes, one row of ``row`` bytes each: a matching call costs
         # two slices and two compares (memcmp), no array operation.
         self.o_rows = o_rows
@@ -347,7 +345,8 @@ class _DecodeRoll:
         keep -= 1
         self.keep = list(keep)  # the rows (views), indexed per call without making one
         self.ones_b = _ONE_B * seq.size  # what every masked difference must read
-        self.own_next = own[c]
+        self.own_next = own_next = own[c]
+        own_next.setflags(write=False)  # never written: its slices are shared by page deltas (see _decode_roll)
         if slots is not None:
             self.slots_next = slots_next = slots[c]
             self.owned_next = [(name, arr[slots_next] + 1) for name, arr in ledger.owned.items()]
@@ -1359,7 +1358,7 @@ class InstrumentedAllocator:
             misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
         if misaligned:
             self._misaligned(o, pos, own, op, name)
-        bad = pool.shadow.on_alloc(pages, own, new, n_new, op)
+        bad = pool.shadow.on_alloc(pages, own, new, n_new, op, True)  # runs: page_size slots per page
         if bad:
             self._report(bad, name, op)
 
@@ -1416,8 +1415,7 @@ class InstrumentedAllocator:
                     run.end += run.row  # past the rows' end: an empty slice, which no call's bytes match
                     if slots is not None:
                         st.ledger.committed[slots] = seq
-                    if run.shadow.deltas is not None:
-                        run.shadow.note(run.pages, run.own, private=slots is not None)
+                    # No page delta: no owner changes (see PageUpdate), so the call publishes none.
                     n_new = 0
                 else:
                     roll = st.roll
@@ -1433,7 +1431,9 @@ class InstrumentedAllocator:
                     emit_alloc(op, bs, int(n_new), dt)
                     if st.swa is not None:
                         emit_alloc(op, bs, int(n_new), 0.0, pool="swa")
-                if st.events or st.to_raise:
+                # want_pages: a page delta alone is a batch too (a sink that reads only PageUpdate gets it now,
+                # named for this call, not with the next call's events).
+                if st.events or st.to_raise or st.want_pages:
                     self._finish()
                 return out
             return self._decode_checked(op, out, seq_lens_cpu, bs, slots, allocs, dt)
@@ -1501,7 +1501,7 @@ class InstrumentedAllocator:
             self._emit_alloc(op, got, n_new, dt)
             if swa_pool is not None:
                 self._emit_alloc(op, got, n_new, 0.0, pool="swa")
-        if st.events or st.to_raise:
+        if st.events or st.to_raise or st.want_pages:
             self._finish()
         return out
 
@@ -1514,10 +1514,11 @@ class InstrumentedAllocator:
         its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
         0 .. page_size - 1, compared as bytes), and each run's page was free. That is the per-slot check
         (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
-        what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the same per-slot
-        page delta when deltas are kept, the free count) and returns True; otherwise it returns False having
-        changed nothing, and the per-slot check runs and reports. ``slots``: the bound requests' ledger slots (None:
-        unattributed); ``ext``: each request's slots in ``o``."""
+        what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the page delta
+        ``on_alloc`` records for it when deltas are kept, one entry per page, the free count) and returns True;
+        otherwise it returns False having changed nothing, and the per-slot check runs and reports. ``slots``: the
+        bound requests' ledger slots (None: unattributed); ``ext``: each request's slots in ``o`` (not read since
+        the page delta keeps one entry per page; kept for the callers)."""
         ps, shift = self._w_ps, self._w_shift
         n = o.size
         if not n or o.dtype is not _I64:
@@ -1532,15 +1533,17 @@ class InstrumentedAllocator:
         if _MAX.reduce(shadow._owner_ext.take(pages, mode="clip")) > FREE:
             return False
         if slots is None:
-            shadow.owner[pages] = -1
+            own = -1
         elif slots.size == 1:
-            shadow.owner[pages] = slots  # broadcast: one request owns every page
+            own = slots.item(0)  # one request owns every page
         else:
-            shadow.owner[pages] = slots.repeat(grow)
+            own = slots.repeat(grow)
+        shadow.owner[pages] = own
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
-            # What on_alloc records: one entry per slot.
-            shadow.note(o >> shift, -1 if slots is None else slots.repeat(ext))
+            # What on_alloc records for such a call (runs: one entry per page, see PoolShadow._note_alloc); pages:
+            # a shift computed here, held by no one else.
+            shadow.note(pages, own, private=True)
         shadow.expected_entries -= n_new
         return True
 
@@ -1656,16 +1659,8 @@ class InstrumentedAllocator:
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 st.ledger.committed[slots] = seq
-            # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or
-            # the shared unattributed constant (not private: copied).
-            # The pages already read as own (just compared): only the delta to record, no write.
-            private = slots is not None
-            if shadow.deltas is not None and bs:
-                shadow.note(pages, own, private=private)
-            if swa is not None:
-                if swa_shadow.deltas is not None and bs:
-                    swa_shadow.note(swa_pages, own, private=private)
-            else:
+            # The pages already read as own (just compared): no write, and no page delta (see PageUpdate).
+            if swa is None:
                 st.roll_key = (key, shadow.version, streak)
             return 0
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
@@ -1682,9 +1677,17 @@ class InstrumentedAllocator:
             swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
         ):
             return None
-        private = slots is not None  # as above
+        # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or the shared
+        # unattributed constant (not private: copied). With non-openers, the page deltas keep the openers' entries
+        # alone (boolean gathers: fresh): every other page read own already (see PageUpdate).
+        private = slots is not None
         if swa is not None:
-            swa_shadow._set(swa_pages, own, private=private)
+            if opens is None or swa_shadow.deltas is None:
+                swa_shadow._set(swa_pages, own, private=private)
+            else:
+                swa_shadow.owner[swa_pages] = own
+                swa_shadow.version += 1
+                swa_shadow.note(swa_pages[opens], own[opens], private=True)
             swa_shadow.expected_entries -= n_new
         if slots is not None:
             led = st.ledger
@@ -1694,7 +1697,12 @@ class InstrumentedAllocator:
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
             led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
-        shadow._set(pages, own, private=private)
+        if opens is None or shadow.deltas is None:
+            shadow._set(pages, own, private=private)
+        else:
+            shadow.owner[pages] = own
+            shadow.version += 1
+            shadow.note(pages[opens], own[opens], private=True)
         shadow.expected_entries -= n_new
         if swa is not None:
             return n_new  # no cache on SWA allocators (see _DecodeRun)
@@ -1712,14 +1720,12 @@ class InstrumentedAllocator:
         if opens is None:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
             # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
-            # nothing on other calls. pages: computed here, never written again (shared with the page delta).
+            # nothing on other calls.
             steps = st.steps
             st.run = _DecodeRun(
                 shadow,
                 st.ledger.version,
                 None if slots is None else slots.tobytes(),
-                own,
-                pages,
                 (o + steps).tobytes(),
                 (seq + steps).tobytes(),
                 o.nbytes,
@@ -1778,6 +1784,10 @@ class InstrumentedAllocator:
             own_next = roll.own_next[a:b]
             shadow.owner[pages] = own_next
             shadow.version += 1
+            if shadow.deltas is not None:
+                # The delta the general fast path records: the openers' pages (a shift computed here) and owners
+                # (a slice of the roll's read-only own_next, int32), in batch order.
+                shadow.note(pages, own_next, private=True)
             shadow.expected_entries -= n_new
             # Two requests that got one page (the general path accepts this call as well, and reports the earlier
             # one's next decode in it) break the roll's invariant: the next call goes to the general fast path.
@@ -1786,9 +1796,6 @@ class InstrumentedAllocator:
             shared = False
             if slots is not None:
                 st.ledger.committed[slots] = seq
-        if shadow.deltas is not None:
-            # The delta the general fast path records: every page of the batch, as its owner reads (pages: fresh).
-            shadow.note(o >> (st.consts.get(bs) or self._decode_consts(bs))[3], roll.own, private=slots is not None)
         if shared:
             st.roll = None
             return n_new

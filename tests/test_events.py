@@ -283,14 +283,16 @@ def test_paged_scenario_exact_events():
     assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_extend", "full", 17, 5, ("a", "b"))
     assert al.duration > 0
     assert (pu.op, pu.pool) == ("alloc_extend", "full")
-    assert pu.pages.tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5]
-    assert pu.owners.tolist() == [0] * 8 + [1] * 9
+    # One entry per page (not per slot): each page's owner changed once.
+    assert pu.pages.tolist() == [1, 2, 3, 4, 5]
+    assert pu.owners.tolist() == [0, 0, 1, 1, 1]
 
     lu, al, pu, sb = events[3:7]
     assert (lu.op, lu.rids, lu.slots.tolist()) == ("alloc_decode", ("a", "b"), [0, 1])
     assert (lu.allocated.tolist(), lu.committed.tolist(), lu.evicted.tolist()) == ([12, 12], [9, 10], [0, 0])
     assert (al.op, al.pool, al.n_slots, al.n_pages, al.rids) == ("alloc_decode", "full", 2, 1, ("a", "b"))
-    assert (pu.op, pu.pool, pu.pages.tolist(), pu.owners.tolist()) == ("alloc_decode", "full", [6, 5], [0, 1])
+    # Only a's opened page: b continues page 5, which it owned already (no entry for an unchanged owner).
+    assert (pu.op, pu.pool, pu.pages.tolist(), pu.owners.tolist()) == ("alloc_decode", "full", [6], [0])
     assert (a.row[-1], b.row[-1]) == (24, 21)
     assert sb.available == {"full": 10}
 
@@ -314,6 +316,31 @@ def test_page_update_of_a_free_names_the_free():
     w.free(t(a.row))
     (pu,) = [e for e in c.batches[-1] if isinstance(e, ev.PageUpdate)]
     assert pu.op == "free"
+
+
+def test_a_decode_page_delta_reaches_a_pages_only_sink_with_its_own_call():
+    # A sink that reads PageUpdate alone (no LedgerUpdate or Alloc built): a decode's page delta is its own batch,
+    # named for the decode, not carried by the next call's batch.
+    class Pages:
+        event_types = frozenset({ev.PageUpdate})
+
+        def __init__(self):
+            self.batches = []
+
+        def __call__(self, batch):
+            self.batches.append([(e.op, e.pages.tolist()) for e in batch])
+
+    sink = Pages()
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[sink])
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [PS], w.alloc_extend(*extend_args([a], [PS])))
+    for _ in range(2):
+        with w.batch(["a"]):
+            a.row.append(int(w.alloc_decode(*decode_args([a]))[0]))
+    w.step()
+    # The second decode continues the page the first opened: no delta, no batch.
+    assert sink.batches == [[("alloc_extend", [a.row[0] // PS])], [("alloc_decode", [a.row[PS] // PS])]]
 
 
 def test_free_duration_is_this_calls_duration():

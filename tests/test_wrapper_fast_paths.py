@@ -13,6 +13,7 @@ import torch
 
 from instrumented_alloc import InstrumentedAllocator, shadow, wrapper
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from instrumented_alloc.events import PageUpdate
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
@@ -617,7 +618,8 @@ def test_decode_run_is_per_pool_shadow():
     _decode(w, reqs)
     run = w._w_run
     assert run.shadow is w._w_full.shadow
-    assert run.pages.tolist() == [slot // PS for slot in (r.row[-1] for r in reqs)]
+    # The next decode's expected slots: each request's last slot + 1, in the page it opened.
+    assert run.o_rows[: run.row] == np.array([r.row[-1] + 1 for r in reqs], np.int64).tobytes()
 
 
 def _random_engine(seed: int, verify: str = "immediate"):
@@ -1206,3 +1208,124 @@ def test_distinct_pages_and_sorted_unique_are_np_unique():
             assert got.dtype == np.int64
             assert got.tolist() == want.tolist()
             assert not np.shares_memory(got, slots)
+
+
+# -- page deltas: what PageUpdate lists (see its contract in events.py) -------------------------------------------
+class _PageLog:
+    """A sink that reads PageUpdate alone and replays it on the pools' owners from the wrapper's construction."""
+
+    event_types = frozenset({PageUpdate})
+
+    def __init__(self):
+        self.updates: list = []
+        self.owners: dict = {}
+        self.no_ops = 0  # entries that found their page already reading that owner (clear's reset aside)
+        self.repeats = 0  # entries of a page listed earlier in the same update
+
+    def start(self, w) -> None:
+        self.owners = {n: s.owner.copy() for n, s in w.snapshot().items()}
+
+    def __call__(self, batch) -> None:
+        for e in batch:
+            owner = self.owners[e.pool]
+            assert e.pages.dtype == np.int64 and e.owners.dtype == np.int32 and e.pages.shape == e.owners.shape
+            assert e.pages.size  # never empty
+            if e.pages.size != owner.size:
+                self.no_ops += int(np.count_nonzero(owner[e.pages] == e.owners))
+                self.repeats += e.pages.size - np.unique(e.pages).size
+            self.updates.append((e.pool, e.pages.tolist(), e.owners.tolist()))
+            owner[e.pages] = e.owners
+
+
+def _page_log(scenario, verify: str, monkeypatch, general: bool = False):
+    """``scenario(verify)`` with a _PageLog subscribed from the start; ``general``: immediate checks with no fast
+    path (no decode run, roll or fast decode, no page-run extend check, no free fast path)."""
+    log = _PageLog()
+    real = InstrumentedAllocator.__init__
+
+    def init(self, inner, **kwargs):
+        real(self, inner, **{**kwargs, "sinks": [log]})
+        log.start(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(InstrumentedAllocator, "__init__", init)
+        if general:
+            m.setattr(wrapper, "_DecodeRun", lambda *args: None)
+            _no_roll(m)
+            m.setattr(InstrumentedAllocator, "_decode_fast", lambda *args: None)
+            m.setattr(InstrumentedAllocator, "_alloc_runs", lambda *args: False)
+            m.setattr(InstrumentedAllocator, "_free_fast", lambda *args: wrapper._ABSENT)
+        w = scenario(verify)
+        w.flush()
+    for name, snap in w.snapshot().items():
+        assert log.owners[name].tolist() == snap.owner.tolist(), name  # replay equals the live shadow
+    return log
+
+
+CLEAN_PAGE_SCENARIOS = [
+    paged_decode_run_clean,
+    paged_decode_run_unbound,
+    paged_decode_roll_clean,
+    paged_extend_runs_clean,
+    swa_extend_runs_clean,
+    swa_decode_clean,
+    paged_frees_clean,
+    swa_frees_clean,
+]
+
+
+@pytest.mark.parametrize("scenario", CLEAN_PAGE_SCENARIOS, ids=lambda f: f.__name__)
+def test_page_deltas_of_clean_calls_list_changes_alone_on_every_path(scenario, monkeypatch):
+    # Every path publishes the same page deltas, and in calls that pass every check each entry changes its page's
+    # owner (a decode that opens no page publishes none; an extend one entry per page, not per slot).
+    fast = _page_log(scenario, "immediate", monkeypatch)
+    assert (fast.no_ops, fast.repeats) == (0, 0)
+    assert _page_log(scenario, "immediate", monkeypatch, general=True).updates == fast.updates
+    assert _page_log(scenario, "deferred", monkeypatch).updates == fast.updates
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [s for s in RUN_SCENARIOS + ROLL_SCENARIOS + SCENARIOS if s not in CLEAN_PAGE_SCENARIOS],
+    ids=lambda f: f.__name__,
+)
+def test_page_deltas_of_faulty_calls_replay_to_the_shadow(scenario, monkeypatch):
+    # Faults keep whatever entries their judged paths write (no-ops included): replay still equals the shadow.
+    for verify in ("immediate", "deferred"):
+        _page_log(scenario, verify, monkeypatch)
+    _page_log(scenario, "immediate", monkeypatch, general=True)
+
+
+def test_decode_page_delta_lists_the_opened_pages_in_batch_order(monkeypatch):
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+    w, reqs = _start(big_paged, "immediate", lens=MIXED)
+    log = _PageLog()
+    log.start(w)
+    w.subscribe(log)
+    for _ in range(2 * PS):
+        openers = [r for r in reqs if r.seq % PS == 0]  # the next position is a page's first
+        n = len(log.updates)
+        _decode(w, reqs)
+        if not openers:
+            assert len(log.updates) == n  # nothing changed: no PageUpdate
+            continue
+        (update,) = log.updates[n:]
+        led = w.ledger
+        assert update == ("full", [r.row[-1] // PS for r in openers], [led.slot_of(r.rid) for r in openers])
+    assert w._w_st.roll is not None  # the roll verified these decodes
+
+
+def test_extend_page_delta_lists_each_new_page_once(monkeypatch):
+    # A chunk from inside a page: the continued page has no entry, each new page one (per-slot check).
+    for general in (False, True):
+        w, reqs = _start(paged, "immediate", lens=(PS + 1, PS))
+        log = _PageLog()
+        log.start(w)
+        w.subscribe(log)
+        with monkeypatch.context() as m:
+            if general:
+                m.setattr(InstrumentedAllocator, "_alloc_runs", lambda *args: False)
+            _extend(w, reqs, [2 * PS + 1, PS + 2])
+        a, b = (w.ledger.slot_of(r.rid) for r in reqs)
+        pages = [reqs[0].row[s] // PS for s in (2 * PS, 3 * PS)] + [reqs[1].row[s] // PS for s in (PS, 2 * PS)]
+        assert log.updates == [("full", pages, [a, a, b, b])]
