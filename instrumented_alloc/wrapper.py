@@ -1658,10 +1658,13 @@ class InstrumentedAllocator:
             streak = last[2] + 1 if last is not None and last[1] == shadow.version and last[0] == key else 1
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
-        mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
-        at = seq - one  # the position each new slot holds
-        at &= mask  # its offset in its page; 0: the request opens a page
-        if (o & smask).tobytes() != at.tobytes():
+        mask, smask, _one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
+        # The offset in its page of the position each new slot holds ((seq - 1) & mask, as seq + mask: -1 and
+        # mask agree modulo ps); 0: the request opens a page. seq + mask is an opener's allocated length too.
+        seq_m = seq + mask
+        at = seq_m & mask
+        at_b = at.tobytes()
+        if (o & smask).tobytes() != at_b:
             return None  # slot_page_alignment, or a negative slot
         pages = o >> shift
         try:
@@ -1671,7 +1674,7 @@ class InstrumentedAllocator:
         if swa is not None:
             # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
             peers = st.inner.full_to_swa_index_mapping.numpy()[o]
-            if (peers & smask).tobytes() != at.tobytes():
+            if (peers & smask).tobytes() != at_b:
                 return None
             swa_pages = peers >> shift
             swa_shadow = swa.shadow
@@ -1730,7 +1733,7 @@ class InstrumentedAllocator:
             for arr in led.owned.values():
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
-            led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
+            led.allocated[openers] = seq_m if opens is None else seq_m[opens]
         shadow._set(pages, own, private=private)
         shadow.expected_entries -= n_new
         if swa is not None:
