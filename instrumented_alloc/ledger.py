@@ -29,6 +29,7 @@ from instrumented_alloc.argcheck import ArgumentTypeError
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 
 FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
+_COLUMNS = {"kv_allocated_len": "allocated", "kv_committed_len": "committed", "swa_evicted_seqlen": "evicted"}
 
 
 class ReqKvInfo:
@@ -43,7 +44,7 @@ class ReqKvInfo:
 
     @property
     def kv_allocated_len(self) -> int:
-        return int(self._ledger.allocated[self.slot])
+        return self._ledger.allocated.item(self.slot)  # a Python int (int() of a numpy scalar costs twice as much)
 
     @kv_allocated_len.setter
     def kv_allocated_len(self, value: int) -> None:
@@ -51,7 +52,7 @@ class ReqKvInfo:
 
     @property
     def kv_committed_len(self) -> int:
-        return int(self._ledger.committed[self.slot])
+        return self._ledger.committed.item(self.slot)  # a Python int (int() of a numpy scalar costs twice as much)
 
     @kv_committed_len.setter
     def kv_committed_len(self, value: int) -> None:
@@ -59,7 +60,7 @@ class ReqKvInfo:
 
     @property
     def swa_evicted_seqlen(self) -> int:
-        return int(self._ledger.evicted[self.slot])
+        return self._ledger.evicted.item(self.slot)  # a Python int (int() of a numpy scalar costs twice as much)
 
     @swa_evicted_seqlen.setter
     def swa_evicted_seqlen(self, value: int) -> None:
@@ -226,7 +227,11 @@ class KvLedger:
 
     # -- mapping protocol ---------------------------------------------------------------------------------------
     def __getitem__(self, rid) -> ReqKvInfo:
-        return ReqKvInfo(self, rid, self.slot_of(rid, create=False))
+        # slot_of(rid, create=False), inline: an engine reads a request's record per eviction.
+        slot = self._rid_to_slot.get(rid)
+        if slot is None:
+            raise KeyError(rid)
+        return ReqKvInfo(self, rid, slot)
 
     def __contains__(self, rid) -> bool:
         return rid in self._rid_to_slot
@@ -316,7 +321,10 @@ class KvLedger:
         if bad:
             self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
             return False
-        column = self._column(field)
+        name = _COLUMNS.get(field)
+        if name is None:
+            raise AttributeError(field)  # what _column raises
+        column = getattr(self, name)  # the column by attribute: _grow replaces the arrays
         old = column.item(slot)
         column[slot] = value
         self.dirty.add(slot)

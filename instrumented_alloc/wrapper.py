@@ -155,9 +155,9 @@ class _CallState:
       them are properties: its instance dict must stay within 30 names, see ``InstrumentedAllocator``);
     - the per-wrapper values that are reassigned (``run``, ``roll``: the decode fast path's ``_DecodeRun`` and
       ``_DecodeRoll``, at most one of them set, ``roll_key``: what decides when a roll is worth building; ``pools``,
-      ``full``, ``swa``, ``one_pool``: replaced by ``resize``): held here only, the single source of truth; the
-      wrapper's ``_w_run``, ``_w_pools``, ``_w_full``, ``_w_swa`` and ``_w_one_pool`` are properties that read
-      and write these slots;
+      ``full``, ``swa``, ``counts``: replaced by ``resize``): held here only, the single source of truth; the
+      wrapper's ``_w_run``, ``_w_pools``, ``_w_full`` and ``_w_swa`` are properties that read and write these
+      slots;
     - ``ledger``: the wrapper's public ``ledger`` attribute (a plain attribute, what engines read per request),
       the same object; an assignment to the wrapper's ``ledger`` is mirrored here (``__setattr__``)."""
 
@@ -167,6 +167,7 @@ class _CallState:
         "capture_before",
         "clock",
         "consts",
+        "counts",
         "deferred",
         "device",
         "events",
@@ -181,7 +182,6 @@ class _CallState:
         "lock",
         "need_sort",
         "off",
-        "one_pool",
         "op",
         "pending",
         "pools",
@@ -225,7 +225,7 @@ class _CallState:
         self.roll = None  # the decode fast path's _DecodeRoll (one pool, immediate verification)
         # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
         self.roll_key = None
-        self.ledger = self.pools = self.full = self.swa = self.one_pool = None  # set by the wrapper's __init__
+        self.ledger = self.pools = self.full = self.swa = self.counts = None  # set by the wrapper's __init__
 
 
 def _state_property(field: str, doc: str) -> property:
@@ -370,8 +370,38 @@ class _DecodeRoll:
         self.end = self.row
 
 
+def _page_counter(allocator, ps: int) -> tuple[Callable[[], int], Callable[[], int]]:
+    """``(count, probe)``, two no-argument callables. ``count()`` returns ``allocator.available_size() // ps``:
+    free + staged pages as the inner counts them (host ints and tensor lengths only: never a sync); ``probe()``
+    a value that changes whenever ``available_size()`` does (what a free compares before and after an inner call
+    that raised). For our paged allocator itself (exactly that
+    class, its ``available_size`` not overridden on the instance) the same sum read directly, with the free list's
+    ``shape[0]``: ``available_size`` is ``(len(free_pages) + num_staged_pages) * page_size``, and torch's
+    ``len()`` of a tensor is a Python-level method (a microsecond per count, read several times per step). An
+    ``available_size`` set on the instance (a test's patch, before or after wrapping) is called instead. Any
+    other allocator (SGLang's among them): its own ``available_size``."""
+    if type(allocator) is PagedTokenToKVPoolAllocator and int(allocator.page_size) == ps:
+        own = vars(allocator)  # the instance's dict (one object for its lifetime): a patch lands in it
+
+        def count() -> int:
+            if "available_size" in own:
+                return allocator.available_size() // ps
+            return allocator.free_pages.shape[0] + allocator.num_staged_pages
+
+        return count, count  # available_size() is count() * ps here: one changes exactly when the other does
+
+    def count() -> int:
+        return allocator.available_size() // ps
+
+    def probe() -> int:
+        return allocator.available_size()  # not floored: a change of less than a page shows too
+
+    return count, probe
+
+
 class _Pool:
-    """One pool's allocator object and the shadow of its pages."""
+    """One pool's allocator object and the shadow of its pages. ``count()``: free + staged pages as the inner
+    counts them; ``probe()``: changes whenever the inner's ``available_size()`` does (see ``_page_counter``)."""
 
     def __init__(self, name: str, allocator, shadow: PoolShadow, dedup_free: bool):
         self.name = name
@@ -379,10 +409,11 @@ class _Pool:
         self.shadow = shadow
         self.dedup_free = dedup_free
         self.page_size = shadow.page_size
+        self.count, self.probe = _page_counter(allocator, shadow.page_size)
 
     def entries(self) -> int:
         """Free + staged pages as the inner allocator counts them (host ints and tensor lengths only)."""
-        return self.allocator.available_size() // self.page_size
+        return self.count()
 
     def staged(self) -> int:
         a = self.allocator
@@ -661,7 +692,7 @@ class InstrumentedAllocator:
         s(self, "_w_full", self._w_st.pools["full"])
         s(self, "_w_swa", self._w_st.pools.get("swa"))
         s(self, "_w_mapping_owner", inner if self._w_st.swa is not None else None)
-        self._set_one_pool()
+        self._set_counts()
         deferred = device.type != "cpu" if verify == "auto" else verify == "deferred"
         s(self, "_w_deferred", deferred)
         s(self, "_w_cuda", device.type == "cuda")
@@ -710,7 +741,6 @@ class InstrumentedAllocator:
     _w_pools = _state_property("pools", "Pool name -> ``_Pool`` (replaced by ``resize``).")
     _w_full = _state_property("full", "The full pool's ``_Pool``.")
     _w_swa = _state_property("swa", "The SWA pool's ``_Pool``, or None.")
-    _w_one_pool = _state_property("one_pool", "(allocator, page size, shadow) of a single pool, else None.")
     # Per-wrapper constants the hot paths read from the call state: one copy, there, so that the wrapper's
     # instance dict stays within the 30 names CPython 3.11 keeps inline (past that the dict is materialised, and
     # neither ``self.method()`` nor ``alloc.method()`` on the wrapper is specialised any more: about 25 ns more
@@ -779,15 +809,10 @@ class InstrumentedAllocator:
             self.bus.unsubscribe(sink)
             self._sync_deltas()
 
-    def _set_one_pool(self) -> None:
-        # What step() reads for the count check of a single pool, in one attribute: (allocator, page size,
-        # shadow); None when there are two pools (the general boundary checks both).
-        pools = self._w_st.pools
-        one = None
-        if len(pools) == 1:
-            p = self._w_st.full
-            one = (p.allocator, p.page_size, p.shadow)
-        object.__setattr__(self, "_w_one_pool", one)
+    def _set_counts(self) -> None:
+        # What step() reads for the count checks, in one attribute: (count, shadow) of each pool, in pool order.
+        st = self._w_st
+        st.counts = tuple((p.count, p.shadow) for p in st.pools.values())
 
     def _sync_deltas(self) -> None:
         # Page deltas and ledger updates are built only while some sink reads them.
@@ -928,14 +953,20 @@ class InstrumentedAllocator:
             if pending:
                 self._drain(wait=False)
             if not pending:
-                one = st.one_pool
-                if one is not None and not st.ledger.dirty:
-                    # The usual boundary on one pool: its count check, inline (a method call costs what it checks).
-                    allocator, ps, shadow = one
-                    if allocator.available_size() // ps != shadow.expected_entries:
+                # _boundary_checks("step"), inline for the usual boundary (a method call costs what it checks):
+                # every pool's count; on a mismatch the general form, which reports it; else the ledger against
+                # the pages for the requests that changed (a few: one by one, as _check_ledger_pages does).
+                for count, shadow in st.counts:
+                    if count() != shadow.expected_entries:
                         self._boundary_checks("step")
+                        break
                 else:
-                    self._boundary_checks("step")
+                    dirty = st.ledger.dirty
+                    if dirty:
+                        if len(dirty) <= _FEW_DIRTY:
+                            self._check_few_ledger_pages("step")
+                        else:
+                            self._check_ledger_pages("step", False)
             bus = st.bus
             if bus.active:
                 if st.want_pages:
@@ -1193,7 +1224,7 @@ class InstrumentedAllocator:
                 before = self._entries_before()
             else:
                 # _entries_before's two-pool case, inline (an SWA allocator's every extend): free+staged page counts.
-                before = [(p.allocator.available_size() // p.page_size, 0) for p in st.pools.values()]
+                before = [(p.count(), 0) for p in st.pools.values()]
             t0 = st.clock()
             try:
                 out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
@@ -1380,7 +1411,13 @@ class InstrumentedAllocator:
                 slots = bound[1]
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
-            before = self._entries_before() if st.capture_before else None
+            if not st.capture_before:
+                before = None
+            elif st.need_sort:
+                before = self._entries_before()
+            else:
+                # _entries_before's two-pool case, inline (an SWA allocator's every decode): free+staged page counts.
+                before = [(p.count(), 0) for p in st.pools.values()]
             timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             t0 = st.clock() if timed else 0.0
             try:
@@ -1389,7 +1426,7 @@ class InstrumentedAllocator:
                 self._invalid(op, exc)
             dt = st.clock() - t0 if timed else 0.0
             allocs = st.want_decode_alloc  # this call's Alloc events are built
-            if before is not None:
+            if st.need_sort:  # only need_sort merges (before then holds the staged counts _after_merge_check reads)
                 self._after_merge_check(before)
             if out is None:
                 return self._alloc_none(op, bs, before, dt)
@@ -1624,10 +1661,13 @@ class InstrumentedAllocator:
             streak = last[2] + 1 if last is not None and last[1] == shadow.version and last[0] == key else 1
         if o.dtype is not _I64 or seq.dtype is not _I64:
             return None
-        mask, smask, one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
-        at = seq - one  # the position each new slot holds
-        at &= mask  # its offset in its page; 0: the request opens a page
-        if (o & smask).tobytes() != at.tobytes():
+        mask, smask, _one, shift, unowned, zero, free = st.consts.get(bs) or self._decode_consts(bs)
+        # The offset in its page of the position each new slot holds ((seq - 1) & mask, as seq + mask: -1 and
+        # mask agree modulo ps); 0: the request opens a page. seq + mask is an opener's allocated length too.
+        seq_m = seq + mask
+        at = seq_m & mask
+        at_b = at.tobytes()
+        if (o & smask).tobytes() != at_b:
             return None  # slot_page_alignment, or a negative slot
         pages = o >> shift
         try:
@@ -1637,7 +1677,7 @@ class InstrumentedAllocator:
         if swa is not None:
             # The SWA peers: the same offsets, the same owners (the slot check above bounds o by the mapping).
             peers = st.inner.full_to_swa_index_mapping.numpy()[o]
-            if (peers & smask).tobytes() != at.tobytes():
+            if (peers & smask).tobytes() != at_b:
                 return None
             swa_pages = peers >> shift
             swa_shadow = swa.shadow
@@ -1696,7 +1736,7 @@ class InstrumentedAllocator:
             for arr in led.owned.values():
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
-            led.allocated[openers] = seq + mask if opens is None else (seq + mask)[opens]
+            led.allocated[openers] = seq_m if opens is None else seq_m[opens]
         if opens is None or shadow.deltas is None:
             shadow._set(pages, own, private=private)
         else:
@@ -1932,7 +1972,7 @@ class InstrumentedAllocator:
         pool, plan = plans[0]
         # The free list this free releases into: the only one the mirror below changes, so the only count to
         # compare if the inner raises (one call, where _forward_free reads every pool's).
-        available = None if st.atomic_free else pool.allocator.available_size
+        available = None if st.atomic_free else pool.probe
         before = None if available is None else available()
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
@@ -2033,7 +2073,7 @@ class InstrumentedAllocator:
             object.__setattr__(self, "_w_pools", pools)
             object.__setattr__(self, "_w_full", pools["full"])
             object.__setattr__(self, "_w_swa", pools.get("swa"))
-            self._set_one_pool()
+            self._set_counts()
             self._sync_deltas()
             self._cleared()
             self._finish()
@@ -2268,14 +2308,14 @@ class InstrumentedAllocator:
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = st.pools.values()
-        before = None if st.atomic_free else [p.allocator.available_size() for p in pools]
+        before = None if st.atomic_free else [p.probe() for p in pools]
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
         t0 = clock() if timed else 0.0
         try:
             result = forward()
         except BaseException:
-            if before is not None and before != [p.allocator.available_size() for p in pools]:
+            if before is not None and before != [p.probe() for p in pools]:
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
@@ -2484,9 +2524,9 @@ class InstrumentedAllocator:
         # need_sort merges inside an allocation: otherwise nothing to capture.
         st = self._w_st  # every read below from it (see _CallState)
         if st.need_sort:
-            return [(p.entries(), p.staged()) for p in st.pools.values()]
+            return [(p.count(), p.staged()) for p in st.pools.values()]
         if len(st.pools) > 1:
-            return [(p.entries(), 0) for p in st.pools.values()]
+            return [(p.count(), 0) for p in st.pools.values()]
         return None
 
     def _alloc_none(self, op: str, requested: int, before, duration: float = 0.0) -> None:
@@ -2591,7 +2631,7 @@ class InstrumentedAllocator:
     def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
         for pool in self._w_st.pools.values():
             shadow = pool.shadow
-            entries = pool.allocator.available_size() // pool.page_size
+            entries = pool.count()
             if entries != shadow.expected_entries:  # check_count only on a mismatch (it reports, then resyncs)
                 self._report(shadow.check_count(entries, op), pool.name, op)
         if every_request or self._w_st.ledger.dirty:
