@@ -1579,15 +1579,13 @@ class InstrumentedAllocator:
         elif slots.size == 1:
             own = slots.item(0)  # one request owns every page
         else:
-            own = slots.repeat(grow)
+            own = slots.astype(np.int32).repeat(grow)  # the owner codes' dtype: no cast below, a private delta
         shadow.owner[pages] = own
-        if slots is not None and slots.size > 1 and n_new > 1:
+        if slots is not None and slots.size > 1 and n_new > 1 and shadow.owner[pages].tobytes() != own.tobytes():
             # One page opened by two requests: the later write wins, the earlier request's page reads another
             # owner. Undone, and declined: the per-slot check reports it (PoolShadow.shared_in_call).
-            back = shadow.owner[pages]
-            if back.tobytes() != own.astype(np.int32).tobytes():
-                shadow.owner[pages] = prev
-                return False
+            shadow.owner[pages] = prev
+            return False
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
             # What on_alloc records for such a call (runs: one entry per page, see PoolShadow._note_alloc); pages:
