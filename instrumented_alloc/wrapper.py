@@ -1604,12 +1604,17 @@ class InstrumentedAllocator:
         if o.dtype is not _I64:
             return False
         rids, slots, lens = bound[0], bound[1], bound[2]
+        # Owner codes as int32 (the shadow's dtype): written and read back without a cast.
+        own32 = bound[3]
+        if own32 is None:
+            own32 = bound[3] = slots.astype(np.int32)
+            own32.setflags(write=False)  # shared by this block's page deltas (see _bind)
         if lens is not None:
-            shares, own = lens, slots.repeat(lens)
+            shares, own = lens, own32.repeat(lens)
         elif len(rids) == 1:
-            shares, own = n, np.full(n, slots[0], np.int64)
+            shares, own = n, np.full(n, slots[0], np.int32)
         elif len(rids) == n:
-            shares, own = 1, slots  # a decode: one slot each
+            shares, own = 1, own32  # a decode: one slot each
         else:
             return False
         shadow = st.full.shadow
@@ -1618,7 +1623,7 @@ class InstrumentedAllocator:
         if np.count_nonzero(prev > FREE):
             return False  # handed out twice, reserved, or outside the pool: the general path reports it
         shadow.owner[o] = own
-        if n > 1 and len(rids) > 1 and shadow.owner[o].tobytes() != own.astype(np.int32).tobytes():
+        if n > 1 and len(rids) > 1 and shadow.owner[o].tobytes() != own.tobytes():
             # One slot handed to two requests in this call (the later write wins): undone, and declined; the
             # general path reports it (PoolShadow.shared_in_call).
             shadow.owner[o] = prev

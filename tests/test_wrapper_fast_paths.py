@@ -1597,3 +1597,9 @@ def test_page_handed_to_two_requests_in_one_call_by_the_roll(monkeypatch):
     assert dup and "to two requests in one call" in dup[0].message
     _no_roll(monkeypatch)
     assert _outcome(paged_decode_roll_opened_twice("immediate")) == _outcome(w)
+
+
+@pytest.mark.parametrize("scenario", list(DUP), ids=lambda f: f.__name__)
+def test_page_handed_to_two_requests_in_one_call_publishes_what_the_general_path_publishes(scenario, monkeypatch):
+    fast = _page_log(scenario, "immediate", monkeypatch)  # replay equals the live shadow (asserted inside)
+    assert _page_log(scenario, "immediate", monkeypatch, general=True).updates == fast.updates
