@@ -290,7 +290,8 @@ class _DecodeRoll:
     all read 1 passes every check of the general path: a request that continues got ``last + 1`` (``last`` was
     not at its page's last offset, or it would open a page now), the same page, which it owns; one that opens got
     a slot at offset 0 (as ``last + 1``: ``last`` sat at the page's last offset), whose page is then checked as
-    the general path checks it (free; a page outside the pool, or a negative slot's, reads as reserved). Its ledger
+    the general path checks it (free; a page outside the pool, or a negative slot's, reads as reserved; no page
+    opened by two requests of the call, see ``PoolShadow.shared_in_call``). Its ledger
     values are what the general path writes (``allocated`` = length + ps - 1, page counts + 1). Anything else
     returns to the general fast path, which drops this cache. SWA allocators keep none (their peers are read from
     a mapping the inner may change)."""
@@ -1549,7 +1550,8 @@ class InstrumentedAllocator:
         page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
         run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
         its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
-        0 .. page_size - 1, compared as bytes), and each run's page was free. That is the per-slot check
+        0 .. page_size - 1, compared as bytes), each run's page was free, and no two requests' runs share a page
+        (owners read back; unattributed: a duplicate test on the runs' pages). That is the per-slot check
         (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
         what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the page delta
         ``on_alloc`` records for it when deltas are kept, one entry per page, the free count) and returns True;
@@ -1596,7 +1598,8 @@ class InstrumentedAllocator:
 
     def _alloc_fast(self, st: _CallState, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
-        extend there), for the case where every check passes: every slot in range and free. Then it applies what
+        extend there), for the case where every check passes: every slot in range and free, and no slot handed to
+        two requests (the owners read back, undone before declining). Then it applies what
         the general path applies (the requests' shares as in ``_alloc_owners``, their ledger rows, the shadow,
         the free count, the events in the same order) and returns True. Otherwise it returns False having changed
         nothing, and the general path checks the call and reports it. ``st``: the wrapper's ``_CallState``."""
@@ -1666,8 +1669,10 @@ class InstrumentedAllocator:
     def _decode_fast(self, st: _CallState, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
         """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
         passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
-        position's offset in its page; a request that opens a page got one that was free, every other continues in
-        a page it owns. Then it applies what the general path applies (ledger lengths and page counts, the shadows,
+        position's offset in its page; a request that opens a page got one that was free, and no other request of
+        the call got the same one (``PoolShadow.shared_in_call``'s rule, applied before anything is written: the
+        owners read back, or a duplicate test when unattributed), every other continues in a page it owns.
+        Then it applies what the general path applies (ledger lengths and page counts, the shadows,
         the free counts) and returns the number of pages opened.
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
