@@ -1321,7 +1321,7 @@ class InstrumentedAllocator:
                         swa_pos, swa_own = pos, own
                     else:
                         swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                        swa_own = -1 if slots is None else slots.repeat(swa_ext)
+                        swa_own = -1 if slots is None else slots.astype(np.int32).repeat(swa_ext)
                     self._check_extend(peer, swa_pos, swa_own, swa_pool, None, swa_n_new, op, "swa")
             else:
                 pos, own = self._extend_layout(prefix, ext, n, bs, slots)
@@ -1368,8 +1368,8 @@ class InstrumentedAllocator:
 
     @staticmethod
     def _extend_layout(prefix: np.ndarray, ext: np.ndarray, n: int, bs: int, slots):
-        """The position of every slot an extend returned, and its owner (the bound request's ledger slot, or -1
-        unattributed): what the per-slot check reads."""
+        """The position of every slot an extend returned, and its owner (the bound request's ledger slot as an int32
+        owner code, or -1 unattributed): what the per-slot check reads."""
         if bs == 1:
             p0 = prefix.item(0)
             pos = np.arange(p0, p0 + n, dtype=np.int64)
@@ -1377,7 +1377,8 @@ class InstrumentedAllocator:
             # ufunc methods and ndarray.repeat are C calls; np.cumsum and np.repeat wrap them in Python.
             first = _ADD.accumulate(ext) - ext
             pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-        return pos, (-1 if slots is None else slots.repeat(ext))
+        # Owner codes in the shadow's dtype (int32): its write and read-back then need no cast.
+        return pos, (-1 if slots is None else slots.astype(np.int32).repeat(ext))
 
     def _check_extend(self, o: np.ndarray, pos: np.ndarray, own, pool: _Pool, new, n_new: int, op: str, name: str):
         """One pool's per-slot check of an extend's slots ``o`` (positions ``pos``, owners ``own``; ``new``: the
