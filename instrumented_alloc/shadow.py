@@ -257,7 +257,7 @@ class PoolShadow:
         if isinstance(own, np.ndarray) and (not own.size or own.item(0) < 0):
             own = -1  # the unattributed code on every entry (see wrapper._decode_consts)
         if isinstance(own, np.ndarray):
-            back = self.owner[pages]
+            back = self._owner_ext.take(pages, mode="clip")  # in range here; take is cheaper than a fancy gather
             if back.tobytes() == own.astype(np.int32, copy=False).tobytes():
                 return []
             lost = np.flatnonzero(back != own)
