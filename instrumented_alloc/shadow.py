@@ -203,13 +203,22 @@ class PoolShadow:
 
     # -- allocation -------------------------------------------------------------------------------------------
     def on_alloc(
-        self, pages: np.ndarray, own, new_mask: np.ndarray | None, n_new: int, op: str, runs: bool = False
+        self,
+        pages: np.ndarray,
+        own,
+        new_mask: np.ndarray | None,
+        n_new: int,
+        op: str,
+        runs: bool = False,
+        slots: np.ndarray | None = None,
     ) -> list:
         """Pages handed out, one entry per returned slot. ``own``: owner slot per entry (array) or -1.
         ``new_mask``: True where the slot opens a page taken from the free list, False where it continues the
         request's own partial page (None: all new). Per-request page counts are the caller's (host-known).
         ``runs``: the entries come in runs of one page (an extend's slots: page_size entries per page); the page
-        delta of a call that passes then keeps one entry per run (see ``_note_alloc``)."""
+        delta of a call that passes then keeps one entry per run (see ``_note_alloc``). ``slots``: the slots
+        themselves where an entry's page repeats within one opening (an extend's), to name the pages opened twice
+        by unattributed requests (see ``shared_in_call``)."""
         bad: list = []
         if pages.size:
             # The usual allocation, judged with one clipped gather (a page outside the pool reads as reserved:
@@ -219,12 +228,75 @@ class PoolShadow:
             if np.count_nonzero(ok) == ok.size:
                 self.owner[pages] = own
                 self.version += 1
+                if n_new > 1:
+                    bad = self.shared_in_call(pages, own, new_mask, n_new, op, slots)
                 if self.deltas is not None:
                     self._note_alloc(pages, own, new_mask, runs)
             else:
-                bad = self._on_alloc_judged(pages, own, new_mask, op)
+                bad = self._on_alloc_judged(pages, own, new_mask, n_new, op, slots)
         self.expected_entries -= n_new
         return bad
+
+    def shared_in_call(self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None) -> list:
+        """One page opened twice in one call (the inner's free list listed it twice), with ``owner[pages] = own``
+        already written: ``duplicate_allocation`` at the call. Attributed calls (``own`` an array of ledger slots):
+        the later write wins, so an opening entry of the earlier request reads another owner (one gather, one
+        bytes compare). The earlier request loses the page (its count is taken back, both are tainted, as for a
+        stolen page); the violation names it. Unattributed calls (``own`` -1, scalar or every entry): fewer
+        distinct pages among the opening entries than ``n_new``, the pages the call opened (a sort); named by the
+        slots handed out twice when ``slots`` is given (each opening starts at its page's offset 0), else by the
+        repeated pages (one entry per opening). A single
+        request handed one page twice in one call is not told apart here (one owner code). The wrapper's fast
+        paths apply this same rule before they commit (see ``wrapper._decode_fast``)."""
+        if new_mask is not None:
+            pages = pages[new_mask]
+            if isinstance(own, np.ndarray):
+                own = own[new_mask]
+            if slots is not None:
+                slots = slots[new_mask]
+        if isinstance(own, np.ndarray) and (not own.size or own.item(0) < 0):
+            own = -1  # the unattributed code on every entry (see wrapper._decode_consts)
+        if isinstance(own, np.ndarray):
+            back = self._owner_ext.take(pages, mode="clip")  # in range here; take is cheaper than a fancy gather
+            if back.tobytes() == own.astype(np.int32, copy=False).tobytes():
+                return []
+            lost = np.flatnonzero(back != own)
+            if not lost.size:
+                return []
+            pairs = sorted({(int(pages[i]), int(own[i])) for i in lost.tolist()}, key=lambda x: x[0])
+            owned = self.owned
+            for page, earlier in pairs:
+                owned[earlier] -= 1
+                self._ledger.tainted.update((earlier, int(self.owner[page])))
+            page, earlier = pairs[0]
+            up = np.unique(np.fromiter((p for p, _ in pairs), np.int64))
+            return [
+                (
+                    "duplicate_allocation",
+                    f"{op} handed out {_pages_list(up)} to two requests in one call; page {page} went to request "
+                    f"slot {earlier} and to request slot {int(self.owner[page])}",
+                    earlier,
+                )
+            ]
+        if own >= 0:
+            return []  # one request's pages: no second request to tell apart
+        u = sorted_unique(pages)
+        if u.size >= n_new or u.size == pages.size:
+            return []
+        if slots is not None and slots.shape == pages.shape:
+            srt = np.sort(slots)
+            twice = np.unique(srt[1:][srt[1:] == srt[:-1]] // self.page_size)
+        else:
+            srt = np.sort(pages)
+            twice = np.unique(srt[1:][srt[1:] == srt[:-1]])
+        return [
+            (
+                "duplicate_allocation",
+                f"{op} handed out {_pages_list(twice)} to more than one unattributed request in one call "
+                f"({n_new} pages opened, {u.size} distinct)",
+                -1,
+            )
+        ]
 
     def _note_alloc(self, pages: np.ndarray, own, new_mask, runs: bool) -> None:
         """The page delta of an allocation that passed every check (``owner[pages] = own`` already written), with
@@ -255,7 +327,7 @@ class PoolShadow:
         if pages.size:
             self.note(pages, own, private=private)
 
-    def _on_alloc_judged(self, pages: np.ndarray, own, new_mask, op: str) -> list:
+    def _on_alloc_judged(self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None) -> list:
         """``on_alloc`` when some entry breaks a rule: name every fault, then mirror what the inner did."""
         bad: list = []
         owner = self.owner
@@ -265,18 +337,23 @@ class PoolShadow:
                 prev = owner[pages]
             except IndexError:  # a page past the end
                 prev = None
-        if prev is None:
+        oob = prev is None
+        if oob:
             bad += self._alloc_out_of_range(pages, op)
             keep = (pages >= 1) & (pages < owner.size)
             pages = pages[keep]
             new_mask = None if new_mask is None else new_mask[keep]
             if isinstance(own, np.ndarray):
                 own = own[keep]
+            if slots is not None:
+                slots = slots[keep]
             prev = owner[pages]
         ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
         if not ok.all():
             bad += self._classify_alloc(pages, prev, own, new_mask, ok, op)
         self._set(pages, own)
+        if n_new > 1 and pages.size and not oob:
+            bad += self.shared_in_call(pages, own, new_mask, n_new, op, slots)
         return bad
 
     def _alloc_out_of_range(self, pages: np.ndarray, op: str) -> list:

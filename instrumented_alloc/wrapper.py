@@ -290,7 +290,8 @@ class _DecodeRoll:
     all read 1 passes every check of the general path: a request that continues got ``last + 1`` (``last`` was
     not at its page's last offset, or it would open a page now), the same page, which it owns; one that opens got
     a slot at offset 0 (as ``last + 1``: ``last`` sat at the page's last offset), whose page is then checked as
-    the general path checks it (free; a page outside the pool, or a negative slot's, reads as reserved). Its ledger
+    the general path checks it (free; a page outside the pool, or a negative slot's, reads as reserved; no page
+    opened by two requests of the call, see ``PoolShadow.shared_in_call``). Its ledger
     values are what the general path writes (``allocated`` = length + ps - 1, page counts + 1). Anything else
     returns to the general fast path, which drops this cache. SWA allocators keep none (their peers are read from
     a mapping the inner may change)."""
@@ -1320,7 +1321,7 @@ class InstrumentedAllocator:
                         swa_pos, swa_own = pos, own
                     else:
                         swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                        swa_own = -1 if slots is None else slots.repeat(swa_ext)
+                        swa_own = -1 if slots is None else slots.astype(np.int32).repeat(swa_ext)
                     self._check_extend(peer, swa_pos, swa_own, swa_pool, None, swa_n_new, op, "swa")
             else:
                 pos, own = self._extend_layout(prefix, ext, n, bs, slots)
@@ -1367,8 +1368,8 @@ class InstrumentedAllocator:
 
     @staticmethod
     def _extend_layout(prefix: np.ndarray, ext: np.ndarray, n: int, bs: int, slots):
-        """The position of every slot an extend returned, and its owner (the bound request's ledger slot, or -1
-        unattributed): what the per-slot check reads."""
+        """The position of every slot an extend returned, and its owner (the bound request's ledger slot as an int32
+        owner code, or -1 unattributed): what the per-slot check reads."""
         if bs == 1:
             p0 = prefix.item(0)
             pos = np.arange(p0, p0 + n, dtype=np.int64)
@@ -1376,7 +1377,8 @@ class InstrumentedAllocator:
             # ufunc methods and ndarray.repeat are C calls; np.cumsum and np.repeat wrap them in Python.
             first = _ADD.accumulate(ext) - ext
             pos = np.arange(n, dtype=np.int64) + (prefix - first).repeat(ext)
-        return pos, (-1 if slots is None else slots.repeat(ext))
+        # Owner codes in the shadow's dtype (int32): its write and read-back then need no cast.
+        return pos, (-1 if slots is None else slots.astype(np.int32).repeat(ext))
 
     def _check_extend(self, o: np.ndarray, pos: np.ndarray, own, pool: _Pool, new, n_new: int, op: str, name: str):
         """One pool's per-slot check of an extend's slots ``o`` (positions ``pos``, owners ``own``; ``new``: the
@@ -1389,7 +1391,7 @@ class InstrumentedAllocator:
             misaligned, pages = np.count_nonzero((o - pos) % ps), o // ps
         if misaligned:
             self._misaligned(o, pos, own, op, name)
-        bad = pool.shadow.on_alloc(pages, own, new, n_new, op, True)  # runs: page_size slots per page
+        bad = pool.shadow.on_alloc(pages, own, new, n_new, op, True, o)  # runs: page_size slots per page
         if bad:
             self._report(bad, name, op)
 
@@ -1549,7 +1551,8 @@ class InstrumentedAllocator:
         page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
         run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
         its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
-        0 .. page_size - 1, compared as bytes), and each run's page was free. That is the per-slot check
+        0 .. page_size - 1, compared as bytes), each run's page was free, and no two requests' runs share a page
+        (owners read back; unattributed: a duplicate test on the runs' pages). That is the per-slot check
         (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
         what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the page delta
         ``on_alloc`` records for it when deltas are kept, one entry per page, the free count) and returns True;
@@ -1567,15 +1570,25 @@ class InstrumentedAllocator:
         if o.tobytes() != expected.tobytes()[: o.nbytes]:
             return False
         # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
-        if _MAX.reduce(shadow._owner_ext.take(pages, mode="clip")) > FREE:
+        prev = shadow._owner_ext.take(pages, mode="clip")
+        if _MAX.reduce(prev) > FREE:
             return False
         if slots is None:
             own = -1
+            # One page opened twice (the inner listed it twice): declined (the per-slot check reports it, see
+            # PoolShadow.shared_in_call, with one page per run here).
+            if n_new > 1 and (pages.size != n_new or has_repeat(pages)):
+                return False
         elif slots.size == 1:
             own = slots.item(0)  # one request owns every page
         else:
-            own = slots.repeat(grow)
+            own = slots.astype(np.int32).repeat(grow)  # the owner codes' dtype: no cast below, a private delta
         shadow.owner[pages] = own
+        if slots is not None and slots.size > 1 and n_new > 1 and shadow.owner[pages].tobytes() != own.tobytes():
+            # One page opened by two requests: the later write wins, the earlier request's page reads another
+            # owner. Undone, and declined: the per-slot check reports it (PoolShadow.shared_in_call).
+            shadow.owner[pages] = prev
+            return False
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
             # What on_alloc records for such a call (runs: one entry per page, see PoolShadow._note_alloc); pages:
@@ -1586,7 +1599,8 @@ class InstrumentedAllocator:
 
     def _alloc_fast(self, st: _CallState, out, n: int, bound, dt: float) -> bool:
         """``alloc(n)`` at page size 1 on one pool, verified immediately, bound to requests (SGLang's decode and
-        extend there), for the case where every check passes: every slot in range and free. Then it applies what
+        extend there), for the case where every check passes: every slot in range and free, and no slot handed to
+        two requests (the owners read back, undone before declining). Then it applies what
         the general path applies (the requests' shares as in ``_alloc_owners``, their ledger rows, the shadow,
         the free count, the events in the same order) and returns True. Otherwise it returns False having changed
         nothing, and the general path checks the call and reports it. ``st``: the wrapper's ``_CallState``."""
@@ -1594,12 +1608,17 @@ class InstrumentedAllocator:
         if o.dtype is not _I64:
             return False
         rids, slots, lens = bound[0], bound[1], bound[2]
+        # Owner codes as int32 (the shadow's dtype): written and read back without a cast.
+        own32 = bound[3]
+        if own32 is None:
+            own32 = bound[3] = slots.astype(np.int32)
+            own32.setflags(write=False)  # shared by this block's page deltas (see _bind)
         if lens is not None:
-            shares, own = lens, slots.repeat(lens)
+            shares, own = lens, own32.repeat(lens)
         elif len(rids) == 1:
-            shares, own = n, np.full(n, slots[0], np.int64)
+            shares, own = n, np.full(n, slots[0], np.int32)
         elif len(rids) == n:
-            shares, own = 1, slots  # a decode: one slot each
+            shares, own = 1, own32  # a decode: one slot each
         else:
             return False
         shadow = st.full.shadow
@@ -1607,13 +1626,21 @@ class InstrumentedAllocator:
         prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
             return False  # handed out twice, reserved, or outside the pool: the general path reports it
+        shadow.owner[o] = own
+        if n > 1 and len(rids) > 1 and shadow.owner[o].tobytes() != own.tobytes():
+            # One slot handed to two requests in this call (the later write wins): undone, and declined; the
+            # general path reports it (PoolShadow.shared_in_call).
+            shadow.owner[o] = prev
+            return False
         led = st.ledger
         for arr in led.owned.values():
             arr[slots] += shares
         led.allocated[slots] += shares
         led.committed[slots] += shares
         self._emit_ledger("alloc", slots, rids, private=True)  # the binding's (read-only)
-        shadow._set(o, own)
+        shadow.version += 1  # owner written above (see PoolShadow.version)
+        if shadow.deltas is not None:
+            shadow.note(o, own)
         shadow.expected_entries -= n
         if st.bus.active:
             self._emit_alloc("alloc", n, n, dt)
@@ -1643,8 +1670,10 @@ class InstrumentedAllocator:
     def _decode_fast(self, st: _CallState, o: np.ndarray, seq: np.ndarray, slots, bound, bs: int):
         """Immediate verification of a decode with a power-of-two page size > 1, for the case where every check
         passes: each slot (and on an SWA allocator its SWA peer, read from the mapping after the call) sits at its
-        position's offset in its page; a request that opens a page got one that was free, every other continues in
-        a page it owns. Then it applies what the general path applies (ledger lengths and page counts, the shadows,
+        position's offset in its page; a request that opens a page got one that was free, and no other request of
+        the call got the same one (``PoolShadow.shared_in_call``'s rule, applied before anything is written: the
+        owners read back, or a duplicate test when unattributed), every other continues in a page it owns.
+        Then it applies what the general path applies (ledger lengths and page counts, the shadows,
         the free counts) and returns the number of pages opened.
         Anything else (a fault, other dtypes) returns None having changed nothing: the general path then checks
         the call again and reports it. Whole-array compares go through ``tobytes`` (a memcmp): a tenth of the cost
@@ -1717,17 +1746,43 @@ class InstrumentedAllocator:
             swa is not None and np.maximum(swa_prev, free).tobytes() != expect_b
         ):
             return None
+        # One page opened by two requests (the inner listed it twice): decline before anything is written, the
+        # general path reports it (PoolShadow.shared_in_call). Attributed: the owners written read back as own
+        # (the later write wins; undone at once when not); unattributed: a duplicate test on the opened pages.
+        if n_new > 1:
+            if slots is None:
+                if has_repeat(pages if opens is None else pages[opens]) or (
+                    swa is not None and has_repeat(swa_pages if opens is None else swa_pages[opens])
+                ):
+                    return None
+            else:
+                own_b = own.tobytes()
+                owner = shadow.owner
+                owner[pages] = own
+                if owner[pages].tobytes() != own_b:
+                    owner[pages] = prev
+                    return None
+                if swa is not None:
+                    swa_owner = swa_shadow.owner
+                    swa_owner[swa_pages] = own
+                    if swa_owner[swa_pages].tobytes() != own_b:
+                        swa_owner[swa_pages] = swa_prev
+                        owner[pages] = prev
+                        return None
         # pages and swa_pages: shifts computed here, held by no one else; own: read-only (see _bind) or the shared
         # unattributed constant (not private: copied). With non-openers, the page deltas keep the openers' entries
         # alone (boolean gathers: fresh): every other page read own already (see PageUpdate).
         private = slots is not None
+        written = n_new > 1 and slots is not None  # the owners are in place (the read-back above)
         if swa is not None:
-            if opens is None or swa_shadow.deltas is None:
-                swa_shadow._set(swa_pages, own, private=private)
-            else:
+            if not written:
                 swa_shadow.owner[swa_pages] = own
-                swa_shadow.version += 1
-                swa_shadow.note(swa_pages[opens], own[opens], private=True)
+            swa_shadow.version += 1
+            if swa_shadow.deltas is not None:
+                if opens is None:
+                    swa_shadow.note(swa_pages, own, private=private)
+                else:
+                    swa_shadow.note(swa_pages[opens], own[opens], private=True)
             swa_shadow.expected_entries -= n_new
         if slots is not None:
             led = st.ledger
@@ -1737,12 +1792,14 @@ class InstrumentedAllocator:
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
             led.allocated[openers] = seq_m if opens is None else seq_m[opens]
-        if opens is None or shadow.deltas is None:
-            shadow._set(pages, own, private=private)
-        else:
+        if not written:
             shadow.owner[pages] = own
-            shadow.version += 1
-            shadow.note(pages[opens], own[opens], private=True)
+        shadow.version += 1
+        if shadow.deltas is not None:
+            if opens is None:
+                shadow.note(pages, own, private=private)
+            else:
+                shadow.note(pages[opens], own[opens], private=True)
         shadow.expected_entries -= n_new
         if swa is not None:
             return n_new  # no cache on SWA allocators (see _DecodeRun)
@@ -1751,11 +1808,6 @@ class InstrumentedAllocator:
         # here: building one costs many decodes' checks, which a batch that changes every few decodes (requests
         # joining and finishing, other requests' allocations in between) would pay again and again.
         if opens is not None and streak < _ROLL_AFTER:
-            return n_new
-        # No cache either when two requests got one page (the call passes here as on the general path, which
-        # reports the earlier request's next decode in that page): both hold that every page of the batch reads
-        # its request's code.
-        if slots is not None and shadow.owner[pages].tobytes() != own.tobytes():
             return n_new
         if opens is None:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
@@ -1809,8 +1861,22 @@ class InstrumentedAllocator:
             pages = o[roll.c[a:b]] >> shift
             # A page outside the pool (or a negative slot's) reads as reserved (the clipped gather, see
             # PoolShadow): not free.
-            if np.maximum(shadow._owner_ext.take(pages, mode="clip"), free).tobytes() != free.tobytes():
+            prev = shadow._owner_ext.take(pages, mode="clip")
+            if np.maximum(prev, free).tobytes() != free.tobytes():
                 return None  # a page in use or reserved
+            # One page opened by two requests (the inner listed it twice): declined before anything else is
+            # written, as _decode_fast does (the owners read back, undone at once; unattributed: a duplicate test).
+            own_next = roll.own_next[a:b]
+            if n_new > 1:
+                if slots is None:
+                    if has_repeat(pages):
+                        return None
+                else:
+                    owner = shadow.owner
+                    owner[pages] = own_next
+                    if owner[pages].tobytes() != own_next.tobytes():
+                        owner[pages] = prev
+                        return None
             if slots is not None:
                 led = st.ledger
                 led.committed[slots] = seq
@@ -1820,25 +1886,16 @@ class InstrumentedAllocator:
                     owned[name][openers] = vals[a:b]
                 led.allocated[openers] = roll.alloc_next[a:b]
             # Only the openers' pages change: every other page of the batch reads own already (the invariant).
-            # Ascending requests: a page handed out twice in the call ends as the general path leaves it.
-            own_next = roll.own_next[a:b]
-            shadow.owner[pages] = own_next
+            if n_new < 2 or slots is None:
+                shadow.owner[pages] = own_next
             shadow.version += 1
             if shadow.deltas is not None:
                 # The delta the general fast path records: the openers' pages (a shift computed here) and owners
                 # (a slice of the roll's read-only own_next, int32), in batch order.
                 shadow.note(pages, own_next, private=True)
             shadow.expected_entries -= n_new
-            # Two requests that got one page (the general path accepts this call as well, and reports the earlier
-            # one's next decode in it) break the roll's invariant: the next call goes to the general fast path.
-            shared = slots is not None and shadow.owner[pages].tobytes() != own_next.tobytes()
-        else:
-            shared = False
-            if slots is not None:
-                st.ledger.committed[slots] = seq
-        if shared:
-            st.roll = None
-            return n_new
+        elif slots is not None:
+            st.ledger.committed[slots] = seq
         roll.last = o.copy()  # the caller's: copied
         roll.version = shadow.version
         if k + 1 < len(roll.keep):

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from instrumented_alloc import InstrumentedAllocator, shadow, wrapper
-from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from instrumented_alloc.allocators import (
+    PagedTokenToKVPoolAllocator,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
 from instrumented_alloc.events import PageUpdate
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
@@ -1436,3 +1440,166 @@ def test_page_count_reads_staged_pages_with_need_sort():
     assert w._w_full.count() == inner.available_size() // PS == len(inner.free_pages) + 2
     w.step()
     assert list(w.violations) == []
+
+
+# -- one page handed to two requests in one call (the inner's free list lists it twice) --------------------------
+# Reported as duplicate_allocation at the call itself on every path (PoolShadow.shared_in_call); the fast paths
+# decline such a call having changed nothing, so the general path's report, state and events are the outcome.
+
+
+def _listed_twice(alloc) -> None:
+    alloc.free_pages = torch.cat([alloc.free_pages[:1], alloc.free_pages])
+
+
+def _full_inner(w):
+    return getattr(w.inner, "full_attn_allocator", w.inner)
+
+
+def _dup_decode(make, lens=(PS, PS, PS)):
+    def scenario(verify):
+        w, reqs = _start(make, verify, lens=lens)
+        _listed_twice(_full_inner(w))
+        _decode(w, reqs)
+        return w
+
+    scenario.__name__ = f"{make.__name__}_decode_{'_'.join(map(str, lens))}"
+    return scenario
+
+
+def _dup_extend(make, prefix, grow):
+    def scenario(verify):
+        w, reqs = _start(make, verify, lens=prefix) if prefix else (InstrumentedAllocator(
+            make(), mode="record", verify=verify, sliding_window=2 * PS), [])
+        more = [Req(f"n{i}") for i in range(len(grow) - len(reqs))]
+        _listed_twice(_full_inner(w))
+        _extend(w, reqs + more, list(grow))
+        return w
+
+    scenario.__name__ = f"{make.__name__}_extend_{'_'.join(map(str, prefix))}_by_{'_'.join(map(str, grow))}"
+    return scenario
+
+
+def paged_decode_unbound_opened_twice(verify):
+    w = InstrumentedAllocator(paged(), mode="record", verify=verify)
+    reqs = [Req(f"r{i}") for i in range(3)]
+    split_extend(reqs, [PS] * 3, w.alloc_extend(*extend_args(reqs, [PS] * 3)))  # no batch(): unattributed
+    _listed_twice(w.inner)
+    w.alloc_decode(*decode_args(reqs))
+    return w
+
+
+def paged_extend_unbound_opened_twice(verify):
+    w = InstrumentedAllocator(paged(), mode="record", verify=verify)
+    reqs = [Req(f"r{i}") for i in range(3)]
+    _listed_twice(w.inner)
+    w.alloc_extend(*extend_args(reqs, [PS, PS, 2]))  # adjacent runs of one page, one per request
+    return w
+
+
+def token_alloc_opened_twice(verify):
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu", None, False), mode="record",
+                              verify=verify)
+    with w.batch(["a", "b"]):
+        w.alloc(4)
+    _listed_twice(w.inner)
+    with w.batch(["a", "b", "c"]):
+        w.alloc(3)  # a decode at page size 1: one slot each, the first slot twice
+    return w
+
+
+def token_alloc_unbound_opened_twice(verify):
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu", None, False), mode="record",
+                              verify=verify)
+    _listed_twice(w.inner)
+    w.alloc(3)
+    return w
+
+
+DUP = {
+    # scenario: the first violation's (invariant, message, rid)
+    _dup_decode(paged): (
+        "alloc_decode handed out [4] (1 pages) to two requests in one call; page 4 went to request slot 0 and to "
+        "request slot 1", "r0"),
+    _dup_decode(paged, (PS, PS + 1, PS)): (  # r1 continues its page: r0 and r2 open the page listed twice
+        "alloc_decode handed out [5] (1 pages) to two requests in one call; page 5 went to request slot 0 and to "
+        "request slot 2", "r0"),
+    _dup_decode(swa): (
+        "alloc_decode handed out [4] (1 pages) to two requests in one call; page 4 went to request slot 0 and to "
+        "request slot 1", "r0"),
+    _dup_extend(paged, (), (PS, 2 * PS)): (  # page runs
+        "alloc_extend handed out [1] (1 pages) to two requests in one call; page 1 went to request slot 0 and to "
+        "request slot 1", "n0"),
+    _dup_extend(paged, (PS, PS + 1), (PS, PS)): (  # r1 continues its page first: the per-slot check
+        "alloc_extend handed out [4] (1 pages) to two requests in one call; page 4 went to request slot 0 and to "
+        "request slot 1", "r0"),
+    _dup_extend(swa, (), (PS, PS)): (
+        "alloc_extend handed out [1] (1 pages) to two requests in one call; page 1 went to request slot 0 and to "
+        "request slot 1", "n0"),
+    paged_decode_unbound_opened_twice: (
+        "alloc_decode handed out [4] (1 pages) to more than one unattributed request in one call (3 pages opened, "
+        "2 distinct)", None),
+    paged_extend_unbound_opened_twice: (
+        "alloc_extend handed out [1] (1 pages) to more than one unattributed request in one call (3 pages opened, "
+        "2 distinct)", None),
+    token_alloc_opened_twice: (
+        "alloc handed out [5] (1 pages) to two requests in one call; page 5 went to request slot 0 and to "
+        "request slot 1", "a"),
+    token_alloc_unbound_opened_twice: (
+        "alloc handed out [1] (1 pages) to more than one unattributed request in one call (3 pages opened, "
+        "2 distinct)", None),
+}
+
+
+@pytest.mark.parametrize("scenario", list(DUP), ids=lambda f: f.__name__)
+def test_page_handed_to_two_requests_in_one_call_is_reported_at_the_call(scenario):
+    message, rid = DUP[scenario]
+    w = scenario("immediate")
+    first = w.violations[0]  # at the call, before any step or flush
+    assert (first.invariant, first.message, first.rid) == ("duplicate_allocation", message, rid)
+    assert first.step == w.step_count
+    assert first.op == message.split()[0]
+    fast, general = _outcome(w), _outcome(scenario("deferred"))
+    assert fast == general
+    assert fast[0][0][:3] == ("duplicate_allocation", message, rid)
+
+
+@pytest.mark.parametrize("scenario", list(DUP), ids=lambda f: f.__name__)
+def test_page_handed_to_two_requests_in_one_call_fast_path_declines_unchanged(scenario, monkeypatch):
+    # The fast paths off (the page-run extend check, the decode fast path, alloc's fast path): the same outcome.
+    fast = _outcome(scenario("immediate"))
+    monkeypatch.setattr(InstrumentedAllocator, "_alloc_runs", lambda *args: False)
+    monkeypatch.setattr(InstrumentedAllocator, "_decode_fast", lambda *args: None)
+    monkeypatch.setattr(InstrumentedAllocator, "_alloc_fast", lambda *args: False)
+    assert _outcome(scenario("immediate")) == fast
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+def test_page_handed_to_two_requests_in_one_call_raises_after_the_call(verify):
+    w = InstrumentedAllocator(paged(), mode="raise", verify=verify)
+    reqs = [Req(f"r{i}") for i in range(3)]
+    _extend(w, reqs, [PS] * 3)
+    w.step()
+    _listed_twice(w.inner)
+    n_free = len(w.inner.free_pages)
+    with pytest.raises(InvariantViolation) as info:
+        _decode(w, reqs)
+        w.step()  # deferred: the call is verified at the step
+    assert info.value.violation.invariant == "duplicate_allocation"
+    assert info.value.violation.rid == "r0"
+    assert len(w.inner.free_pages) == n_free - 3  # the inner's call went through: raised after it
+
+
+def test_page_handed_to_two_requests_in_one_call_by_the_roll(monkeypatch):
+    # The roll vouches for the batch; the call that opens a page listed twice is reported at once.
+    monkeypatch.setattr(wrapper, "_ROLL_AFTER", 1)
+    w = paged_decode_roll_opened_twice("immediate")
+    dup = [v for v in w.violations if v.invariant == "duplicate_allocation"]
+    assert dup and "to two requests in one call" in dup[0].message
+    _no_roll(monkeypatch)
+    assert _outcome(paged_decode_roll_opened_twice("immediate")) == _outcome(w)
+
+
+@pytest.mark.parametrize("scenario", list(DUP), ids=lambda f: f.__name__)
+def test_page_handed_to_two_requests_in_one_call_publishes_what_the_general_path_publishes(scenario, monkeypatch):
+    fast = _page_log(scenario, "immediate", monkeypatch)  # replay equals the live shadow (asserted inside)
+    assert _page_log(scenario, "immediate", monkeypatch, general=True).updates == fast.updates
