@@ -358,6 +358,31 @@ def test_the_wrapper_never_reads_the_inners_instance_dict(mode):
     assert _DictSpy.dict_reads == 1  # the spy works
 
 
+@pytest.mark.parametrize("mode", ["record", "off"])
+def test_the_wrapper_never_reads_the_instance_dict_of_our_paged_allocator(mode, monkeypatch):
+    # The exact class, which the wrapper's pool counts special-case (wrapper._page_counter): the spy above is a
+    # subclass, which they do not.
+    reads = []
+    real = PagedTokenToKVPoolAllocator.__getattribute__
+
+    def spy(self, name):
+        if name == "__dict__":
+            reads.append(name)
+        return real(self, name)
+
+    inner = PagedTokenToKVPoolAllocator(64, 4, F16, "cpu")
+    monkeypatch.setattr(PagedTokenToKVPoolAllocator, "__getattribute__", spy)
+    w = InstrumentedAllocator(inner, mode=mode)
+    req = Req("a")
+    _grow(w, "a", 5, req)
+    w.free(t(req.row))
+    w.release_request("a")
+    w.step()
+    assert reads == []
+    vars(inner)
+    assert reads == ["__dict__"]  # the spy works
+
+
 def test_isinstance_and_repr():
     inner = OURS["ours-swa"]()
     w = InstrumentedAllocator(inner, mode="off")
