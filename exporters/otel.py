@@ -946,8 +946,8 @@ class _FastReq(_Req):
         return self.ctx
 
     def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
-        # finish(held, peak), inlined: once per request. The release event and the span's end share one clock read
-        # (the same moment: the release ends the span).
+        # A release builds the span itself (finish() serves every other end): once per request. The release event
+        # and the span's end share one clock read (the same moment: the release ends the span).
         now = time.time_ns()
         events = self.events
         if attrs is not None:
@@ -984,34 +984,21 @@ class _FastReq(_Req):
         return self.ctx
 
     def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
-        # One dict, keys in the order the SDK span's would have: the start attributes, then what is set at the end.
-        if held is not None and peak is not None and not at_shutdown:  # a release
-            attrs = {
-                "kv.request.id": self.id_attr,
-                "kv.page_size": self.page_size,
-                "kv.allocated_len": self.allocated,
-                "kv.committed_len": self.committed,
-                "kv.swa_evicted_seqlen": self.evicted,
-                "kv.violations": self.violations,
-                "kv.decode_steps": self.decode_steps,
-                "kv.events_dropped": self.dropped,
-                "kv.pages.peak": peak,
-                "kv.pages.held_at_release": held,
-            }
-        else:
-            attrs = {"kv.request.id": self.id_attr, "kv.page_size": self.page_size}
-            if at_shutdown:
-                attrs["kv.open_at_shutdown"] = True
-            attrs["kv.allocated_len"] = self.allocated
-            attrs["kv.committed_len"] = self.committed
-            attrs["kv.swa_evicted_seqlen"] = self.evicted
-            attrs["kv.violations"] = self.violations
-            attrs["kv.decode_steps"] = self.decode_steps
-            attrs["kv.events_dropped"] = self.dropped
-            if peak is not None:
-                attrs["kv.pages.peak"] = peak
-            if held is not None:
-                attrs["kv.pages.held_at_release"] = held
+        # Every end but a release (which release() builds itself): one dict, keys in the order the SDK span's would
+        # have, the start attributes, then what is set at the end.
+        attrs = {"kv.request.id": self.id_attr, "kv.page_size": self.page_size}
+        if at_shutdown:
+            attrs["kv.open_at_shutdown"] = True
+        attrs["kv.allocated_len"] = self.allocated
+        attrs["kv.committed_len"] = self.committed
+        attrs["kv.swa_evicted_seqlen"] = self.evicted
+        attrs["kv.violations"] = self.violations
+        attrs["kv.decode_steps"] = self.decode_steps
+        attrs["kv.events_dropped"] = self.dropped
+        if peak is not None:
+            attrs["kv.pages.peak"] = peak
+        if held is not None:
+            attrs["kv.pages.held_at_release"] = held
         tracer = self.tracer
         # Positional, in ReadableSpan.__init__'s order (see _FastSpan.end).
         tracer.processor.admit(
