@@ -196,6 +196,11 @@ class PoolShadow:
         self.n_staged = 0
         self.unexplained_loss = 0
         self.reported: set = set()
+        # A free released a page that was not in use, or one page twice: the inner's free list may now list a page
+        # more than once, and hand it out twice in one call. Page size 1 looks for that (a sort of the call's slots,
+        # see ``_opened_twice``) only from then on; larger pages always (a sort of one entry per page). Until
+        # ``clear()``.
+        self.relisted = False
 
     @property
     def owned(self) -> np.ndarray:
@@ -229,25 +234,35 @@ class PoolShadow:
                 self.owner[pages] = own
                 self.version += 1
                 if n_new > 1:
-                    bad = self.shared_in_call(pages, own, new_mask, n_new, op, slots)
+                    bad = self.shared_in_call(pages, own, new_mask, n_new, op, slots, runs=runs)
+                    if bad:
+                        # Some page opened twice: the counts follow the owner array over the opened pages (free
+                        # before, every one of them: ok above), less what the caller counted.
+                        opened = sorted_unique(pages if new_mask is None else pages[new_mask])
+                        counted = self._counted(own, new_mask, runs, int(pages.size))
+                        self._recount(np.full(opened.size, FREE, np.int32), self.owner[opened], counted)
                 if self.deltas is not None:
                     self._note_alloc(pages, own, new_mask, runs)
             else:
-                bad = self._on_alloc_judged(pages, own, new_mask, n_new, op, slots)
+                bad = self._on_alloc_judged(pages, own, new_mask, n_new, op, slots, runs)
         self.expected_entries -= n_new
         return bad
 
-    def shared_in_call(self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None) -> list:
+    def shared_in_call(self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None, runs=False) -> list:
         """One page opened twice in one call (the inner's free list listed it twice), with ``owner[pages] = own``
         already written: ``duplicate_allocation`` at the call. Attributed calls (``own`` an array of ledger slots):
         the later write wins, so an opening entry of the earlier request reads another owner (one gather, one
-        bytes compare). The earlier request loses the page (its count is taken back, both are tainted, as for a
-        stolen page); the violation names it. Unattributed calls (``own`` -1, scalar or every entry): fewer
+        bytes compare). The earlier request loses the page (both are tainted, as for a stolen page); the violation
+        names it. Unattributed calls (``own`` -1, scalar or every entry): fewer
         distinct pages among the opening entries than ``n_new``, the pages the call opened (a sort); named by the
         slots handed out twice when ``slots`` is given (each opening starts at its page's offset 0), else by the
-        repeated pages (one entry per opening). A single
-        request handed one page twice in one call is not told apart here (one owner code). The wrapper's fast
-        paths apply this same rule before they commit (see ``wrapper._decode_fast``)."""
+        repeated pages (one entry per opening). One request handed one page twice in one call (one owner code, which
+        the read-back cannot tell apart) is found where it can happen: an extend's runs (``runs``: page_size
+        entries per page, ``slots`` naming each run's first slot) or an ``alloc``'s pages (``new_mask`` None), not a
+        decode (one entry per request); at page size 1 only once the free list may list a page twice
+        (``relisted``); see ``_opened_twice``. The wrapper's fast
+        paths apply these same rules before they commit (see ``wrapper._decode_fast``, ``wrapper._alloc_runs``).
+        Counts are the caller's: ``on_alloc`` recounts the call's pages (``_recount``) when this reports."""
         if new_mask is not None:
             pages = pages[new_mask]
             if isinstance(own, np.ndarray):
@@ -257,27 +272,26 @@ class PoolShadow:
         if isinstance(own, np.ndarray) and (not own.size or own.item(0) < 0):
             own = -1  # the unattributed code on every entry (see wrapper._decode_consts)
         if isinstance(own, np.ndarray):
+            bad = []
             back = self._owner_ext.take(pages, mode="clip")  # in range here; take is cheaper than a fancy gather
-            if back.tobytes() == own.astype(np.int32, copy=False).tobytes():
-                return []
-            lost = np.flatnonzero(back != own)
-            if not lost.size:
-                return []
-            pairs = sorted({(int(pages[i]), int(own[i])) for i in lost.tolist()}, key=lambda x: x[0])
-            owned = self.owned
-            for page, earlier in pairs:
-                owned[earlier] -= 1
-                self._ledger.tainted.update((earlier, int(self.owner[page])))
-            page, earlier = pairs[0]
-            up = np.unique(np.fromiter((p for p, _ in pairs), np.int64))
-            return [
-                (
-                    "duplicate_allocation",
-                    f"{op} handed out {_pages_list(up)} to two requests in one call; page {page} went to request "
-                    f"slot {earlier} and to request slot {int(self.owner[page])}",
-                    earlier,
+            if back.tobytes() != own.astype(np.int32, copy=False).tobytes():
+                lost = np.flatnonzero(back != own)
+                pairs = sorted({(int(pages[i]), int(own[i])) for i in lost.tolist()}, key=lambda x: x[0])
+                for page, earlier in pairs:
+                    self._ledger.tainted.update((earlier, int(self.owner[page])))
+                page, earlier = pairs[0]
+                up = np.unique(np.fromiter((p for p, _ in pairs), np.int64))
+                bad.append(
+                    (
+                        "duplicate_allocation",
+                        f"{op} handed out {_pages_list(up)} to two requests in one call; page {page} went to request "
+                        f"slot {earlier} and to request slot {int(self.owner[page])}",
+                        earlier,
+                    )
                 )
-            ]
+            if (self.page_size > 1 or self.relisted) and (new_mask is None if not runs else slots is not None):
+                bad += self._opened_twice(pages, own, op, slots if runs else None)
+            return bad
         if own >= 0:
             return []  # one request's pages: no second request to tell apart
         u = sorted_unique(pages)
@@ -327,10 +341,43 @@ class PoolShadow:
         if pages.size:
             self.note(pages, own, private=private)
 
-    def _on_alloc_judged(self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None) -> list:
-        """``on_alloc`` when some entry breaks a rule: name every fault, then mirror what the inner did."""
+    def _opened_twice(self, pages: np.ndarray, own: np.ndarray, op: str, slots) -> list:
+        """``shared_in_call``'s same-request rule: a page opened more than once for one request in one call (an
+        extend's runs, or an ``alloc``'s pages, ``pages``/``own`` the opening entries, ``owner[pages] = own``
+        written). ``slots`` (an extend's) names the runs: an opening starts at its page's offset 0. Cheap when
+        nothing repeats (a duplicate test on the openings); else the openings per (request, page). The request
+        is tainted, as for a stolen page."""
+        if slots is None:
+            heads, owners = pages, own
+        else:
+            first = slots % self.page_size == 0
+            heads, owners = pages[first], own[first]
+        if heads.size < 2 or not has_repeat(heads):
+            return []
+        k, times = np.unique(owners.astype(np.int64) << 32 | heads, return_counts=True)
+        rep = times > 1
+        if not rep.any():
+            return []  # repeats across requests only: the read-back's
+        slot_r, page_r = k[rep] >> 32, k[rep] & 0xFFFFFFFF
+        self._ledger.tainted.update(int(x) for x in np.unique(slot_r))
+        s0, p0 = int(slot_r[0]), int(page_r[0])
+        return [
+            (
+                "duplicate_allocation",
+                f"{op} handed out {_pages_list(np.unique(page_r))} more than once to one request in one call; page "
+                f"{p0} went {int(times[rep][0])} times to request slot {s0}",
+                s0,
+            )
+        ]
+
+    def _on_alloc_judged(
+        self, pages: np.ndarray, own, new_mask, n_new: int, op: str, slots=None, runs: bool = False
+    ) -> list:
+        """``on_alloc`` when some entry breaks a rule: name every fault, then mirror what the inner did, and keep
+        each request's page count the census of the owner array (``_recount``)."""
         bad: list = []
         owner = self.owner
+        counted = self._counted(own, new_mask, runs, int(pages.size))
         prev = None
         if pages.min() >= 1:
             try:
@@ -351,10 +398,44 @@ class PoolShadow:
         ok = (prev <= FREE) if new_mask is None else np.where(new_mask, prev <= FREE, prev == own)
         if not ok.all():
             bad += self._classify_alloc(pages, prev, own, new_mask, ok, op)
+        touched, first = np.unique(pages, return_index=True)
+        before = prev[first]
         self._set(pages, own)
         if n_new > 1 and pages.size and not oob:
-            bad += self.shared_in_call(pages, own, new_mask, n_new, op, slots)
+            bad += self.shared_in_call(pages, own, new_mask, n_new, op, slots, runs=runs)
+        self._recount(before, owner[touched], counted)
         return bad
+
+    def _counted(self, own, new_mask, runs: bool, n_entries: int):
+        """What the caller added to the per-request counts for this allocation, before calling ``on_alloc``: a page
+        per opening entry (a decode's request, an ``alloc`` page), or with ``runs`` (an extend's slots, page_size
+        per page, a request's last page maybe fewer) a page per started run of a request's opening entries.
+        Returns (slots, pages) arrays, or None when nothing was counted (unattributed)."""
+        if not isinstance(own, np.ndarray):
+            if own < 0:
+                return None
+            n = n_entries if new_mask is None else int(np.count_nonzero(new_mask))
+            return own, (-(-n // self.page_size) if runs else n)
+        opening = own if new_mask is None else own[new_mask]
+        opening = opening[opening >= 0]
+        if not opening.size:
+            return None
+        u, n = np.unique(opening, return_counts=True)
+        return u, (-(-n // self.page_size) if runs else n)
+
+    def _recount(self, before: np.ndarray, after: np.ndarray, counted) -> None:
+        """Counts follow the owner array over the pages a judged call touched (one entry per distinct page, its
+        owner before and after the call), less what the caller already added (``_counted``). A page the call
+        could not write (page 0, past the end) owns nothing, so its opener's count is taken back."""
+        owned = self.owned
+        np.subtract.at(owned, before[before >= 0], 1)
+        np.add.at(owned, after[after >= 0], 1)
+        if counted is not None:
+            slots_c, n = counted
+            if isinstance(slots_c, np.ndarray):
+                np.subtract.at(owned, slots_c, n)
+            else:
+                owned[slots_c] -= n
 
     def _alloc_out_of_range(self, pages: np.ndarray, op: str) -> list:
         bad = []
@@ -394,12 +475,11 @@ class PoolShadow:
                 bad.append(
                     (inv, f"{op} handed out {_pages_list(up)} {what}; page {int(bpages[first])} was {was}", slot)
                 )
-        stolen = bprev[dup & (bprev >= 0)]
-        if stolen.size:
-            # Keep per-request counts equal to the owner array: the new owner takes the page over. Both
-            # requests' ledgers now disagree with their pages for this reported reason.
-            np.subtract.at(self.owned, stolen, 1)
-            self._ledger.tainted.update(int(x) for x in np.unique(stolen))
+        taken = bprev[dup & (bprev >= 0)]
+        if taken.size:
+            # Both requests' ledgers now disagree with their pages for this reported reason (the counts follow the
+            # owner array: ``_recount``).
+            self._ledger.tainted.update(int(x) for x in np.unique(taken))
         return bad
 
     # -- frees ------------------------------------------------------------------------------------------------
@@ -450,18 +530,22 @@ class PoolShadow:
             inuse |= prev == HELD_SET
         if not inuse.all():
             bad += self._classify_free(vpages, prev, inuse, op)
+            self.relisted = True
         if not dedup and vpages.size > 1 and has_repeat(vpages):
-            u, counts = np.unique(vpages, return_counts=True)
+            self.relisted = True
+            u, first, counts = np.unique(vpages, return_index=True, return_counts=True)
             twice = u[counts > 1]
-            if twice.size:
-                slot = int(owner[twice[0]])
-                bad.append(
-                    (
-                        "double_free",
-                        f"{op} frees {_pages_list(twice)} more than once in one call (no dedup on this path)",
-                        slot if slot >= 0 else -1,
-                    )
+            slot = int(owner[twice[0]])
+            bad.append(
+                (
+                    "double_free",
+                    f"{op} frees {_pages_list(twice)} more than once in one call (no dedup on this path)",
+                    slot if slot >= 0 else -1,
                 )
+            )
+            # The inner lists every entry again (n_entries), but a page is released once: its owner's count loses
+            # it once (apply_free counts owners over vpages).
+            vpages, prev = u, prev[first]
         return bad, (pages, vpages, prev, n_entries, dedup)
 
     def _classify_free(self, vpages, prev, inuse, op) -> list:

@@ -16,7 +16,11 @@ Contracts:
   the values of handed-out / freed indices: at once when they are CPU tensors (``verify="auto"`` or
   ``"immediate"``); otherwise (``verify="deferred"``, or accelerator tensors under ``"auto"``) they are copied
   with ``non_blocking=True`` (into pinned memory on CUDA, with an event) and verified in call order at the next
-  ``step()`` whose copies are complete, or at ``flush()`` / ``check_consistency()`` (which may wait).
+  ``step()`` whose copies are complete, or at ``flush()`` / ``check_consistency()`` (which may wait). Deferred,
+  a free's effect on its pages' owners' ledgers lands there too, after the host tier of the calls made since:
+  where a fault left one page with two requests (``duplicate_allocation``), a later free of it can move the other
+  request's ledger after that request's own later writes, so findings about those requests may differ from
+  immediate verification's from that fault on; up to it, both report the same.
 - Threading: every instrumented call holds the wrapper's lock, so calls from several threads are serialised and
   keep working; the engine's own ordering between threads is the engine's business.
 - Sinks get the events of one call as one batch after the call; a failing sink never reaches the caller.
@@ -1555,8 +1559,8 @@ class InstrumentedAllocator:
         page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
         run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
         its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
-        0 .. page_size - 1, compared as bytes), each run's page was free, and no two requests' runs share a page
-        (owners read back; unattributed: a duplicate test on the runs' pages). That is the per-slot check
+        0 .. page_size - 1, compared as bytes), each run's page was free, and no two runs share a page (one
+        duplicate test on the runs' pages: two requests', or one request's twice). That is the per-slot check
         (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
         what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the page delta
         ``on_alloc`` records for it when deltas are kept, one entry per page, the free count) and returns True;
@@ -1577,22 +1581,18 @@ class InstrumentedAllocator:
         prev = shadow._owner_ext.take(pages, mode="clip")
         if _MAX.reduce(prev) > FREE:
             return False
+        # One page opened twice in this call (the inner listed it twice), for two requests or for one: declined
+        # before anything is written; the per-slot check reports it (PoolShadow.shared_in_call, with one page per
+        # run here).
+        if n_new > 1 and (pages.size != n_new or has_repeat(pages)):
+            return False
         if slots is None:
             own = -1
-            # One page opened twice (the inner listed it twice): declined (the per-slot check reports it, see
-            # PoolShadow.shared_in_call, with one page per run here).
-            if n_new > 1 and (pages.size != n_new or has_repeat(pages)):
-                return False
         elif slots.size == 1:
             own = slots.item(0)  # one request owns every page
         else:
             own = slots.astype(np.int32).repeat(grow)  # the owner codes' dtype: no cast below, a private delta
         shadow.owner[pages] = own
-        if slots is not None and slots.size > 1 and n_new > 1 and shadow.owner[pages].tobytes() != own.tobytes():
-            # One page opened by two requests: the later write wins, the earlier request's page reads another
-            # owner. Undone, and declined: the per-slot check reports it (PoolShadow.shared_in_call).
-            shadow.owner[pages] = prev
-            return False
         shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
         if shadow.deltas is not None:
             # What on_alloc records for such a call (runs: one entry per page, see PoolShadow._note_alloc); pages:
@@ -1630,6 +1630,8 @@ class InstrumentedAllocator:
         prev = shadow._owner_ext.take(o, mode="clip")
         if np.count_nonzero(prev > FREE):
             return False  # handed out twice, reserved, or outside the pool: the general path reports it
+        if shadow.relisted and n > 1 and has_repeat(o):
+            return False  # one slot twice in this call, after a double free relisted it: the general path reports it
         shadow.owner[o] = own
         if n > 1 and len(rids) > 1 and shadow.owner[o].tobytes() != own.tobytes():
             # One slot handed to two requests in this call (the later write wins): undone, and declined; the
@@ -2284,8 +2286,9 @@ class InstrumentedAllocator:
 
     def _segment_owner(self, free_index) -> int:
         """The ledger slot owning the segment's first page, to name the request; -1 when unknown. Reads an index
-        value, so only for host tensors: on an accelerator that would be a sync, and the request stays unnamed."""
-        if free_index.device.type != "cpu" or free_index.numel() == 0:
+        value, so only under immediate verification: on an accelerator that would be a sync, and the request stays
+        unnamed; ``verify="deferred"`` on the host does as it does there (its shadow is a step behind, too)."""
+        if self._w_st.deferred or free_index.device.type != "cpu" or free_index.numel() == 0:
             return -1
         page = int(free_index[0]) // self._w_ps
         owner = self._w_st.full.shadow.owner

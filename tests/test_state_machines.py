@@ -15,7 +15,8 @@ After every rule (``@invariant``): zero violations beyond the expected ones, the
 the bare twin's (``allocator_state``: free lists, staging, SWA/HiSparse mappings), and a model derived from the
 returned slots alone: the pages each live request holds (full pool: from its row; SWA pool: ceil(seq / ps) -
 evicted / ps pages, named through the bare twin's mapping), the ledger values, and the free page count of each pool
-(capacity - held - held by an open free group) against the inner pool's ``available_size``.
+(capacity - held - held by an open free group) against the inner pool's ``available_size``; and every request
+slot's page count in the ledger equal to the census of the wrapper's page owners.
 The step rule and the teardown also compare the page owners replayed from the events with the wrapper's; the
 teardown frees everything and requires a clean ``check_consistency()`` and every page free.
 
@@ -298,6 +299,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if want:
                     slot = w.ledger.slot_of(r.rid, create=False)
                     assert set(np.flatnonzero(swa_owner == slot).tolist()) == want, r
+        # Every request slot's page count (what ledger_matches_pages compares) is the owner array's census, the
+        # slots of released requests included (0), whatever the invalid rules did.
+        for pool, counts in w.ledger.owned.items():
+            codes = snap[pool].owner
+            census = np.bincount(codes[codes >= 0], minlength=counts.size)
+            assert counts.tolist() == census[: counts.size].tolist(), pool
         # Free pages per pool: capacity - held by live requests - held by an open free group.
         held = self.held()
         for pool, a in self.pool_alloc.items():

@@ -372,3 +372,15 @@ def test_unaligned_segment_names_the_request_owning_its_first_page():
         d.w.free_segment(t(a.row[2:]), start_pos=2)
     (v,) = d.w.violations
     assert (v.invariant, v.rid, v.op) == ("segment_start_unaligned", a.rid, "free_segment")
+
+
+def test_unaligned_segment_under_deferred_verification_names_no_request():
+    # The start is a host-tier fact, reported at the call in both modes; naming the request reads an index value,
+    # which deferred verification never does at the call (on an accelerator it would be a sync): on the host too,
+    # so that verify="deferred" behaves as it does on a device.
+    d = Driver(ours_paged, "record", "deferred")
+    a, _ = _two_requests(d)
+    with pytest.raises(ValueError, match="start_pos"):
+        d.w.free_segment(t(a.row[2:]), start_pos=2)
+    (v,) = d.w.violations
+    assert (v.invariant, v.rid, v.op, v.step) == ("segment_start_unaligned", None, "free_segment", 1)
