@@ -1,4 +1,5 @@
-"""Shared test settings: hypothesis profiles (CI runs the "ci" profile: more examples, no deadline)."""
+"""Shared test settings: hypothesis profiles (CI runs the "ci" profile: more examples, no deadline; "deep" is for a
+long hunt by hand)."""
 
 import os
 
@@ -7,6 +8,8 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A long hunt, by hand: HYPOTHESIS_PROFILE=deep (20x the CI profile's examples; tests that fix their own count keep it).
+settings.register_profile("deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") == "true" else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # The real-Prometheus fixture, shared by tests/exporters and tests/grafana.

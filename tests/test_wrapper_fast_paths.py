@@ -1068,12 +1068,37 @@ def _random_mixed_engine(seed: int, verify: str = "immediate"):
     return w
 
 
+def _same_until_pages_shared(immediate, deferred) -> bool:
+    """What deferred verification promises against immediate (README, Using the wrapper): the same findings and
+    state, except that after a fault that leaves one page with two requests (``duplicate_allocation``) a later free
+    of it moves the other request's ledger at the step boundary, after the host-side writes made in between; from
+    there on, findings and ledger rows of those requests may differ. Up to and including the first such finding
+    the violations are the same; with none, everything is."""
+    found_i, found_d = immediate[0], deferred[0]
+    dup = next((i for i, v in enumerate(found_i) if v[0] == "duplicate_allocation"), None)
+    if dup is None:
+        return immediate == deferred
+    return found_i[: dup + 1] == found_d[: dup + 1]
+
+
 @pytest.mark.parametrize("roll_after", ROLL_AFTER)
 @pytest.mark.parametrize("seed", range(12))
 def test_decode_roll_reports_as_the_full_check_on_a_random_engine(seed, roll_after, monkeypatch):
     monkeypatch.setattr(wrapper, "_ROLL_AFTER", roll_after)
     with_roll = _outcome(_random_mixed_engine(seed))
-    assert with_roll == _outcome(_random_mixed_engine(seed, "deferred"))
+    assert _same_until_pages_shared(with_roll, _outcome(_random_mixed_engine(seed, "deferred")))
+    _no_roll(monkeypatch)
+    assert _outcome(_random_mixed_engine(seed)) == with_roll
+
+
+# Seeds where the two modes part after a page went to two requests (the first four of seeds 0-119; about 4% of
+# seeds do): the comparison above holds there too, and the roll still matches the full check exactly.
+@pytest.mark.parametrize("seed", [18, 34, 38, 89])
+def test_decode_roll_on_engines_where_the_modes_part_after_a_shared_page(seed, monkeypatch):
+    with_roll = _outcome(_random_mixed_engine(seed))
+    deferred = _outcome(_random_mixed_engine(seed, "deferred"))
+    assert with_roll != deferred  # they do part here (the case is not vacuous)
+    assert _same_until_pages_shared(with_roll, deferred)
     _no_roll(monkeypatch)
     assert _outcome(_random_mixed_engine(seed)) == with_roll
 
