@@ -2073,7 +2073,7 @@ class InstrumentedAllocator:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        if st.want_ledger:
+        if st.want_ledger and led.live.item(s):  # a released request's slot has no row to update
             # prev[:1]: a view of a gather made for this free alone, never written.
             self._emit_ledger(op, prev[:1], rids or (led.rid_of(s),), private=True)
         if st.bus.active or st.to_raise or st.events:
@@ -2446,8 +2446,10 @@ class InstrumentedAllocator:
                 led.tainted.discard(int(s))
             led.dirty.update(int(s) for s in slots)
             # slots: apply_free's owners (a gather or np.unique of one: fresh) or np.unique's result; read above,
-            # never written, held by no one else.
-            self._emit_ledger(op, slots, private=True)
+            # never written, held by no one else. A released request's slot (its pages leaked, freed since) has no
+            # ledger row to update: no entry (a LedgerUpdate names rows that exist; replay would revive it).
+            live = led.live[slots]
+            self._emit_ledger(op, slots if live.all() else slots[live], private=True)
 
     def _after_free_one(self, op: str, touched, duration: float, st: _CallState) -> None:
         """``_after_free`` for the usual free: one request's pages in one pool, in Python ints. ``st``: the
@@ -2475,7 +2477,7 @@ class InstrumentedAllocator:
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
-        if st.want_ledger:
+        if st.want_ledger and led.live.item(s):  # a released request's slot has no row to update
             # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
             self._emit_ledger(op, owners, rids or (led.rid_of(s),), private=True)
 
