@@ -56,7 +56,15 @@ from instrumented_alloc.argcheck import (
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
-from instrumented_alloc.shadow import FREE, LedgerSnapshot, PoolShadow, PoolSnapshot, has_repeat, sorted_unique
+from instrumented_alloc.shadow import (
+    FREE,
+    LedgerSnapshot,
+    PoolShadow,
+    PoolSnapshot,
+    entry_ids,
+    has_repeat,
+    sorted_unique,
+)
 
 MODES = ("raise", "record", "off")
 # "This op has no such argument" (None is a value a caller can pass, and must be rejected as one).
@@ -1581,11 +1589,19 @@ class InstrumentedAllocator:
         prev = shadow._owner_ext.take(pages, mode="clip")
         if _MAX.reduce(prev) > FREE:
             return False
-        # One page opened twice in this call (the inner listed it twice), for two requests or for one: declined
-        # before anything is written; the per-slot check reports it (PoolShadow.shared_in_call, with one page per
-        # run here).
-        if n_new > 1 and (pages.size != n_new or has_repeat(pages)):
-            return False
+        # One page opened twice in this call (the inner listed it twice), for two requests or for one: declined,
+        # the owners as they were; the per-slot check reports it (PoolShadow.shared_in_call, with one page per run
+        # here). Found by writing each run's id at its page and reading them back (the later run's id wins): a
+        # scatter and a gather, where a sort of the pages would cost several times more at a batch's size.
+        if n_new > 1:
+            if pages.size != n_new:
+                return False
+            ids = entry_ids(n_new)
+            owner = shadow.owner
+            owner[pages] = ids
+            if owner[pages].tobytes() != ids.tobytes():
+                owner[pages] = prev
+                return False
         if slots is None:
             own = -1
         elif slots.size == 1:
