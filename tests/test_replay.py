@@ -178,9 +178,9 @@ def test_state_at_uses_the_newest_base_and_stops_at_the_boundary():
     assert state_at([late], evs, 1).seq == 2
 
 
-def test_round_trip_through_a_wrapper():
-    """A base from alloc.snapshot() plus the wrapper's published events reproduces every later snapshot."""
-    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False))
+def _wrapper_with_two_requests(verify: str = "auto"):
+    """A wrapper publishing into a list, its base state, and requests a (5 tokens) and b (9) extended at step 1."""
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False), verify=verify)
     seen: list = []
     w.subscribe(seen.extend)
     base = state_from_snapshots(w.snapshot(), seq=0)
@@ -189,6 +189,12 @@ def test_round_trip_through_a_wrapper():
         out = w.alloc_extend(*extend_args([a, b], [5, 9]))
     a.row, b.row = out[:5].tolist(), out[5:].tolist()
     w.step()
+    return w, seen, base, a, b
+
+
+def test_round_trip_through_a_wrapper():
+    """A base from alloc.snapshot() plus the wrapper's published events reproduces every later snapshot."""
+    w, seen, base, a, b = _wrapper_with_two_requests()
     with w.batch(["a", "b"]):
         out = w.alloc_decode(*decode_args([a, b]))
     a.row.append(int(out[0]))
@@ -214,15 +220,7 @@ def test_round_trip_through_a_wrapper():
 def test_round_trip_through_a_leak_freed_later(verify):
     """A request released while holding pages (request_leak), whose pages the engine frees afterwards: the free
     publishes no ledger row for it (it has none any more), so replay does not bring the released request back."""
-    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False), verify=verify)
-    seen: list = []
-    w.subscribe(seen.extend)
-    base = state_from_snapshots(w.snapshot(), seq=0)
-    a, b = Req("a"), Req("b")
-    with w.batch(["a", "b"]):
-        out = w.alloc_extend(*extend_args([a, b], [5, 9]))
-    a.row, b.row = out[:5].tolist(), out[5:].tolist()
-    w.step()
+    w, seen, base, a, _ = _wrapper_with_two_requests(verify)
     w.release_request("a")  # a's pages leaked
     w.step()
     w.free(t(a.row))  # and freed later
