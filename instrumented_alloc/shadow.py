@@ -212,9 +212,9 @@ class PoolShadow:
         self.unexplained_loss = 0
         self.reported: set = set()
         # A free released a page that was not in use, or one page twice: the inner's free list may now list a page
-        # more than once, and hand it out twice in one call. Page size 1 looks for that (a sort of the call's slots,
-        # see ``_opened_twice``) only from then on; larger pages always (a sort of one entry per page). Until
-        # ``clear()``.
+        # more than once, and hand it out twice in one call. Page size 1 looks for that only from then on (its fast
+        # path sorts the call's slots: a prefill's every token); larger pages always (ids written at one entry per
+        # page and read back, see ``_opened_twice``). Until ``clear()``.
         self.relisted = False
 
     @property
@@ -268,15 +268,15 @@ class PoolShadow:
         already written: ``duplicate_allocation`` at the call. Attributed calls (``own`` an array of ledger slots):
         the later write wins, so an opening entry of the earlier request reads another owner (one gather, one
         bytes compare). The earlier request loses the page (both are tainted, as for a stolen page); the violation
-        names it. Unattributed calls (``own`` -1, scalar or every entry): fewer
-        distinct pages among the opening entries than ``n_new``, the pages the call opened (a sort); named by the
+        names it. Unattributed calls (``own`` -1, scalar or every entry): fewer distinct pages among the opening
+        entries than ``n_new``, the pages the call opened (a sort); named by the
         slots handed out twice when ``slots`` is given (each opening starts at its page's offset 0), else by the
         repeated pages (one entry per opening). One request handed one page twice in one call (one owner code, which
         the read-back cannot tell apart) is found where it can happen: an extend's runs (``runs``: page_size
         entries per page, ``slots`` naming each run's first slot) or an ``alloc``'s pages (``new_mask`` None), not a
         decode (one entry per request); at page size 1 only once the free list may list a page twice
-        (``relisted``); see ``_opened_twice``. The wrapper's fast
-        paths apply these same rules before they commit (see ``wrapper._decode_fast``, ``wrapper._alloc_runs``).
+        (``relisted``); see ``_opened_twice``. The wrapper's fast paths apply these same rules before they commit
+        (see ``wrapper._decode_fast``, ``wrapper._alloc_runs``, ``wrapper._alloc_fast``).
         Counts are the caller's: ``on_alloc`` recounts the call's pages (``_recount``) when this reports."""
         if new_mask is not None:
             pages = pages[new_mask]
@@ -361,8 +361,7 @@ class PoolShadow:
         extend's runs, or an ``alloc``'s pages, ``pages``/``own`` the opening entries, ``owner[pages] = own``
         written). ``slots`` (an extend's) names the runs: an opening starts at its page's offset 0. Cheap when
         nothing repeats (ids written at the openings' pages and read back, see ``entry_ids``); else the openings
-        per (request, page). The request
-        is tainted, as for a stolen page."""
+        per (request, page). The request is tainted, as for a stolen page."""
         if slots is None:
             heads, owners = pages, own
         else:
