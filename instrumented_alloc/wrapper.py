@@ -1143,7 +1143,10 @@ class InstrumentedAllocator:
                     bad = full.shadow.on_alloc(o, own, None, got, op)
                     self._report(bad, "full", op)
                     if s is not None:
-                        self._report(self._w_st.swa.shadow.on_alloc(s, own, None, got, op), "swa", op)
+                        swa_shadow = self._w_st.swa.shadow
+                        # A full slot listed twice has one SWA peer for both: the SWA side repeats with it.
+                        swa_shadow.relisted |= full.shadow.relisted
+                        self._report(swa_shadow.on_alloc(s, own, None, got, op), "swa", op)
 
             else:
 

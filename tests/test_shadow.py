@@ -246,6 +246,7 @@ ENGINES = [
     ("swa-128", None, 50, ("alloc-len-misaligned@191", "double-free@129")),  # an SWA segment free listing pages twice
     ("dense", 1, 43, ("double-free@78",)),  # page size 1: a free listing slots twice
     ("dense", 1, 571, ("double-free@63",)),  # page size 1: slots handed twice to one request after a double free
+    ("swa-128", 1, 4, ("double-free@57",)),  # the same on an SWA allocator: the SWA peers repeat with the full slots
 ]
 
 
