@@ -1,7 +1,8 @@
 """Stateful property tests: a hypothesis ``RuleBasedStateMachine`` per allocator config, wrapped and bare.
 
 Every config of ``tests/test_wrapper_properties.py`` (token ps 1, paged ps 4 and 16, SWA ps 1, 4 and 16, HiSparse
-ps 4), each with ``need_sort`` off and on: 14 machines. Each drives the wrapper (``mode="raise"``,
+ps 4, ours; the same token, paged and SWA configs on SGLang 0.5.23's own classes, ``*-sglang``), each with
+``need_sort`` off and on: 26 machines. Each drives the wrapper (``mode="raise"``,
 ``verify="immediate"``) and a bare twin through that file's ``Engine`` (imported, not copied).
 
 Valid rules (wrapper and bare twin, same calls): extend (new and existing requests), decode, PD prealloc (SWA tails
@@ -28,10 +29,10 @@ unaligned / decreasing / inside-the-window ``swa_evicted_seqlen``, ``kv_allocate
 pages are then freed, and the sweep at teardown must be clean).
 
 Examples: each machine runs ``max(4, P // 3)`` examples of up to 50 steps (``stateful_step_count``), P being the
-hypothesis profile's ``max_examples`` (tests/conftest.py): dev (60) -> 20 examples per machine, 280 in all; ci
-(150, ``CI=true``) -> 50 per machine, 700 examples in all (about 29,000 rules, each followed by the checks above;
-about 25-40 s on a 2-core machine shared with other jobs). ``RUN_STATS`` counts runs, checks and the invalid rules
-that fired, per machine.
+hypothesis profile's ``max_examples`` (tests/conftest.py): dev (60) -> 20 examples per machine, 520 in all; ci
+(150, ``CI=true``) -> 50 per machine, 1,300 examples in all (about 55,000 rules, each followed by the checks
+above; about 25 s on a 2-core machine with another job on the other core). ``RUN_STATS`` counts runs, checks and
+the invalid rules that fired, per machine.
 """
 
 from __future__ import annotations
@@ -421,7 +422,7 @@ class MergeRules:
 
 def _machine(config: str, need_sort: bool):
     name = f"Machine_{config.replace('-', '_')}_{'sorted' if need_sort else 'plain'}"
-    kind, ps = config.split("-")
+    kind, ps, *_ = config.split("-")  # "swa-4", or "swa-4-sglang": SGLang's own class
     mixins = [PagedRules] if int(ps) > 1 else []
     if kind == "swa":
         mixins.append(SwaRules)

@@ -3,6 +3,12 @@
 For every call the wrapped result is bit-identical to the bare twin's; valid sequences produce zero violations;
 at the end every request is finished, ``check_consistency()`` is clean, every page is free again, and the inner
 state equals the bare twin's. Run with verify="immediate" and verify="deferred" (the accelerator path on CPU).
+
+``CONFIGS``: our reference allocators, and SGLang 0.5.23's own classes (``*-sglang``: ``TokenToKVPoolAllocator``,
+``PagedTokenToKVPoolAllocator``, ``SWATokenToKVPoolAllocator`` built on CPU by ``tests/sglang_compat.py``) in the
+same sizes, wrapped and bare, so that the wrapper is exercised on the classes an engine really hands it, not only
+on ours. (SGLang has no CPU-buildable HiSparse allocator: that one is ours alone.) A config's name is
+``kind-page_size[-sglang]``; its factory stops the test (skip, or fail under CI) when SGLang cannot be built here.
 """
 
 from __future__ import annotations
@@ -22,9 +28,21 @@ from instrumented_alloc.allocators import (
 from instrumented_alloc.events import PageUpdate
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, alloc_for_decode_prealloc_hisparse, swa_tail_len
 from instrumented_alloc.stats import pages_by_state
+from tests import sglang_compat
 from tests.engine_model import Req, allocator_state, decode_args, extend_args, t
 
 F16 = torch.float16
+
+
+def _sglang(make, require_swa: bool):
+    """A factory of SGLang's own class: ``make(need_sort)`` once SGLang is known to build here."""
+
+    def factory(ns):
+        sglang_compat.require_sglang(require_swa=require_swa)
+        return make(ns)
+
+    return factory
+
 
 CONFIGS = {
     "token-1": lambda ns: TokenToKVPoolAllocator(96, F16, "cpu", None, ns),
@@ -34,6 +52,12 @@ CONFIGS = {
     "swa-4": lambda ns: SWATokenToKVPoolAllocator(4 * 24, 4 * 24, 4, F16, "cpu", None, ns),
     "swa-16": lambda ns: SWATokenToKVPoolAllocator(16 * 16, 16 * 20, 16, F16, "cpu", None, ns),
     "hisparse-4": lambda ns: HiSparseTokenToKVPoolAllocator(4 * 16, 4, F16, "cpu", None, ns, 2),
+    "token-1-sglang": _sglang(lambda ns: sglang_compat.make_sglang_token(96, ns, dtype=F16), False),
+    "paged-4-sglang": _sglang(lambda ns: sglang_compat.make_sglang_paged(4 * 24, 4, ns, dtype=F16), False),
+    "paged-16-sglang": _sglang(lambda ns: sglang_compat.make_sglang_paged(16 * 16, 16, ns, dtype=F16), False),
+    "swa-1-sglang": _sglang(lambda ns: sglang_compat.make_sglang_swa(96, 96, 1, ns, dtype=F16), True),
+    "swa-4-sglang": _sglang(lambda ns: sglang_compat.make_sglang_swa(4 * 24, 4 * 24, 4, ns, dtype=F16), True),
+    "swa-16-sglang": _sglang(lambda ns: sglang_compat.make_sglang_swa(16 * 16, 16 * 20, 16, ns, dtype=F16), True),
 }
 
 
