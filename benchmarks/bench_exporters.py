@@ -7,12 +7,14 @@ events, a histogram observation) weighs heavily here. The OTel exporter gets its
 default sampler, its ``CountingBatchSpanProcessor``: the fast span path) exporting to an in-memory span exporter
 (``span_exporter=``: no encoding, no network).
 
-Demo engine rows (prometheus and otel): the demo engine (``instrumented_alloc.sim``, preset swa-128: continuous
+Demo engine rows (one per exporter): the demo engine (``instrumented_alloc.sim``, preset swa-128: continuous
 batching, chunked prefill, SWA eviction every 64 tokens; prompts of a median 256 tokens and outputs of a median 128
 decode steps, lognormal, so the batch changes every few steps) run for ``demo_steps`` steps wrapped in record mode,
 without and then with one exporter deployed as the demo deploys it: Prometheus
 served on 127.0.0.1 and scraped over HTTP every second by a thread; OTel exporting OTLP/HTTP (protobuf, the
-exporter's own ``BatchSpanProcessor``) to a receiver in another process. Same seed for both runs of a pair.
+exporter's own ``BatchSpanProcessor``) to a receiver in another process; the flight recorder writing a SQLite file
+in a temporary directory with its defaults (``make demo`` adds only ``max_bytes``, which this short run never
+reaches). Same seed for both runs of a pair.
 
 In every row the exporter's ``close()``/``shutdown()`` is inside the timed region and the clock is the process's
 (CPU time by default): the recorder's writer, the span processor's worker (OTLP encoding included) and the scrape
@@ -118,8 +120,9 @@ def measure_exporter(kind: str, *, iterations: int, repeats: int, clock=time.pro
 DEMO_PRESET = "swa-128"
 
 
-def _deploy(kind: str, alloc, endpoint: str):
-    """Attach ``kind`` to a demo engine's allocator as the demo deploys it; returns the function that stops it."""
+def _deploy(kind: str, alloc, endpoint: str, tmp: Path | None = None):
+    """Attach ``kind`` to a demo engine's allocator as the demo deploys it; returns the function that stops it.
+    ``tmp``: the directory the recorder's file goes in."""
     if kind == "prometheus":
         from exporters.prometheus import PrometheusExporter
 
@@ -135,6 +138,10 @@ def _deploy(kind: str, alloc, endpoint: str):
         from exporters.otel import OtelExporter
 
         return OtelExporter(alloc, endpoint=endpoint).shutdown
+    if kind == "recorder":
+        from exporters.recorder import FlightRecorder
+
+        return FlightRecorder(alloc, tmp / f"demo-{time.monotonic_ns()}.sqlite").close
     raise ValueError(kind)
 
 
@@ -143,19 +150,20 @@ def measure_demo(kind: str, *, steps: int, repeats: int, endpoint: str, clock=ti
     from instrumented_alloc.sim import build_engine
 
     ratios = []
-    for r, warm_up in enumerate((True, *([False] * repeats))):
-        off = build_engine(DEMO_PRESET, seed=r)
-        t0 = clock()
-        off.run(steps)
-        t_off = clock() - t0
-        on = build_engine(DEMO_PRESET, seed=r)
-        stop = _deploy(kind, on.alloc, endpoint)
-        t0 = clock()
-        on.run(steps)
-        stop()
-        t_on = clock() - t0
-        if not warm_up:
-            ratios.append(t_on / t_off)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r, warm_up in enumerate((True, *([False] * repeats))):
+            off = build_engine(DEMO_PRESET, seed=r)
+            t0 = clock()
+            off.run(steps)
+            t_off = clock() - t0
+            on = build_engine(DEMO_PRESET, seed=r)
+            stop = _deploy(kind, on.alloc, endpoint, Path(tmp))
+            t0 = clock()
+            on.run(steps)
+            stop()
+            t_on = clock() - t0
+            if not warm_up:
+                ratios.append(t_on / t_off)
     return ratios
 
 
@@ -171,7 +179,11 @@ def rows(*, repeats: int, iterations: int, clock, demo_steps: int = 3000) -> lis
         for kind in ("prometheus", "otel", "recorder")
     ]
     with _ReceiverProcess() as rx:
-        for kind, how in (("prometheus", "scraped every 1 s"), ("otel", "OTLP/HTTP to a receiver process")):
+        for kind, how in (
+            ("prometheus", "scraped every 1 s"),
+            ("otel", "OTLP/HTTP to a receiver process"),
+            ("recorder", "a SQLite file"),
+        ):
             out.append(
                 (
                     f"demo {DEMO_PRESET} {demo_steps} steps with {kind} / without (record mode, {how})",
