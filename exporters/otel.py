@@ -72,12 +72,17 @@ Threading and what is dropped when
   that). Any other sampler or limit: the SDK's spans, which apply them.
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
-- What the sink reads (``event_types``; ``decode_allocs = False`` and ``free_ledgers = False``, see
-  ``instrumented_alloc/events.py``): no ``Alloc`` of a decode and no ``LedgerUpdate`` of a free, so that on its own
-  a free call builds no event and delivers no batch. A free moves only the request's current ledger values, which
-  matter for its next allocation alone (a retracted request's re-prefill is measured from them): the sink reads
-  them there from ``alloc.bus.skipped_frees``, which is why it must run on the wrapper's thread (behind a
-  ``NonBlockingSink`` it receives the frees' updates instead). The spans are the same either way.
+- What the sink reads (``event_types``; ``decode_allocs = False``, ``free_ledgers = False`` and
+  ``decode_ledgers = False``, see ``instrumented_alloc/events.py``): no ``Alloc`` of a decode, no ``LedgerUpdate``
+  of a free and none of each decode, so that on its own neither a free call nor a decode builds an event or
+  delivers a batch: a run of decodes of one batch comes as one ``DecodeFold`` (the wrapper's fold, built before
+  anything changes those requests' values: it is applied as the exporter's own fold of per-decode updates would
+  be, and the spans are the same; a request first heard of in a fold gets its span then). When another sink reads
+  each decode's update, or verification is deferred, those come instead and the exporter folds them itself.
+  A free moves only the request's current ledger values, which matter for its next allocation alone (a retracted
+  request's re-prefill is measured from them): the sink reads them there from ``alloc.bus.skipped_frees``, which
+  is why it must run on the wrapper's thread (behind a ``NonBlockingSink`` it receives the frees' and decodes'
+  updates instead). The spans are the same either way.
 - Our own OTLP exporter (``_OtlpSpanExporter``) is the SDK's ``OTLPSpanExporter`` with its request body written
   directly (``_encode_request``): byte for byte what the SDK's encoder serialises, for about a quarter of the
   worker thread's CPU per span (the SDK builds a protobuf object per attribute and value first). Resources, scopes
@@ -1026,7 +1031,7 @@ class OtelExporter:
     name = "otel"  # the bus counts what this sink refused under this name
     # What the spans read: the wrapper then skips building page deltas for us.
     event_types = frozenset(
-        {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
+        {ev.Alloc, ev.LedgerUpdate, ev.DecodeFold, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
     )
     # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
     # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
@@ -1035,6 +1040,11 @@ class OtelExporter:
     # alone: the wrapper keeps them in bus.skipped_frees instead, read at that allocation (this sink runs on the
     # wrapper's thread, as that requires), and a free call delivers no batch to us.
     free_ledgers = False
+    # Nor each decode's LedgerUpdate: the wrapper folds a run of decodes of one batch into one DecodeFold, built
+    # before anything else changes those requests' values, so that on its own a decode builds no event for us
+    # either (the decode fold below is then the wrapper's). When another sink reads the per-decode updates (or
+    # verification is deferred) they come as before and are folded here.
+    decode_ledgers = False
 
     def __init__(
         self,
@@ -1110,6 +1120,7 @@ class OtelExporter:
         self.last_error: str | None = None
         self._handlers = {
             ev.LedgerUpdate: self._on_ledger_update,
+            ev.DecodeFold: self._on_decode_fold,
             ev.Alloc: self._on_alloc,
             ev.LedgerWrite: self._on_ledger_write,
             ev.SwaEvict: self._on_swa_evict,
@@ -1390,6 +1401,26 @@ class OtelExporter:
         for r, column, value, wseq in writes:
             if wseq > seq or r.mark != seq:
                 self._apply_write(r, column, value, wseq)
+
+    def _on_decode_fold(self, e: ev.DecodeFold, later: list) -> None:
+        """``e.n`` decodes of ``e.rids`` folded by the wrapper: each request's record as ``e`` leaves it (the values
+        when the fold was built), ``e.n`` decode steps more, as that many per-decode updates would have left it;
+        a request with no open span gets one now (its decodes are the first we hear of it)."""
+        if self._dec is not None:
+            self._flush_decode()
+        get = self._open.get
+        seq, n = e.seq, e.n
+        for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
+            r = get(rid)
+            if r is None:
+                if rid is None:
+                    continue  # unattributed
+                r = self._start(rid)
+            r.allocated = r.cur_allocated = a
+            r.committed = r.cur_committed = c
+            r.evicted = v
+            r.decode_steps += n
+            r.mark = seq
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids

@@ -38,6 +38,18 @@ Contract:
   behind a ``NonBlockingSink`` reads the dict later than its events, so that wrapper does not forward the
   declaration (the sink then receives free updates). Absent (or anything but False): the sink reads them; the
   dict is then not written (entries left from before stay, older than every later update).
+- A sink that reads ``LedgerUpdate`` may also declare ``decode_ledgers = False``: it reads no ``LedgerUpdate`` of
+  ``alloc_decode`` one by one, only their fold (``DecodeFold``, which it must then read): consecutive decodes of
+  the same bound batch (the same slots array: one ``batch()`` block, or the next blocks binding the same ids while
+  the id -> slot mapping is unchanged) as one event, built when the run ends, before the next call that changes
+  those values, or could: any allocation other than a further decode of that batch, a free, a release,
+  ``clear()``/``resize()``, a change of the sinks. Its values are the requests' ledger values then, which are the
+  last decode's with any checked ledger write made since (a write builds its own ``LedgerWrite`` as usual, with
+  an earlier ``seq`` than the fold's). While no other sink reads decodes' updates (``EventBus.wants_decode_ledgers``)
+  and verification is immediate, the wrapper builds folds instead of the per-decode updates: a decode then builds
+  no event at all for such a sink (most calls of a decode-heavy run). Otherwise (another sink reads them, or
+  deferred verification, which publishes a decode's update at the step boundary) it builds the per-decode updates
+  and no fold, and the sink receives those. Absent (or anything but False): the sink reads the per-decode updates.
 - An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
   copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
   binding and its owner codes, shared by that block's ``LedgerUpdate``s and page deltas, and by later blocks
@@ -197,6 +209,25 @@ class LedgerUpdate(Event):
 
 
 @dataclass(frozen=True)
+class DecodeFold(Event):
+    """``n`` consecutive ``alloc_decode`` calls of one bound batch, folded, for the sinks that declare
+    ``decode_ledgers = False`` (see the module docstring): ``rids``/``slots`` (numpy) as the decodes' binding,
+    ``allocated``/``committed``/``evicted`` (numpy, aligned with them) the requests' ledger values when the fold
+    was built (the last decode's, with any checked write made since), ``first_step``/``last_step`` the steps of
+    its first and last decode (``step``: when it was built)."""
+
+    op: str
+    rids: tuple
+    slots: Any
+    n: int
+    first_step: int
+    last_step: int
+    allocated: Any
+    committed: Any
+    evicted: Any
+
+
+@dataclass(frozen=True)
 class StepBoundary(Event):
     """``alloc.step()`` was called; ``available`` maps pool name to free+staged pages as the shadow counts them."""
 
@@ -294,6 +325,7 @@ class EventBus:
         # Written by the wrapper while wants_free_ledgers is False (see the module docstring); plain attributes, read
         # by the wrapper on every free.
         self.want_free_ledgers = False
+        self.want_decode_ledgers = False
         self.skipped_frees: dict[int, tuple[int, int, int]] = {}
         # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
         # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
@@ -330,6 +362,11 @@ class EventBus:
             and (getattr(s, "event_types", None) is None or LedgerUpdate in s.event_types)
             for s in self._sinks
         )
+        self.want_decode_ledgers = any(
+            getattr(s, "decode_ledgers", True) is not False
+            and (getattr(s, "event_types", None) is None or LedgerUpdate in s.event_types)
+            for s in self._sinks
+        )
         if self.on_change is not None:
             self.on_change()
 
@@ -347,6 +384,12 @@ class EventBus:
         not declare ``free_ledgers = False``). When False while ``wants(LedgerUpdate)``, the wrapper keeps
         ``skipped_frees`` instead of building them."""
         return self.want_free_ledgers
+
+    def wants_decode_ledgers(self) -> bool:
+        """Whether some sink reads the ``LedgerUpdate`` of each ``alloc_decode`` (one that reads ``LedgerUpdate``
+        and does not declare ``decode_ledgers = False``). When False while ``wants(DecodeFold)``, the wrapper
+        folds decodes instead (see the module docstring)."""
+        return self.want_decode_ledgers
 
     def add_loss_counter(self, name: str, counter: Callable[[], int]) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a

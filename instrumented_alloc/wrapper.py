@@ -81,6 +81,7 @@ _B_LEDGER = ev.builder(ev.LedgerUpdate)
 _B_PAGES = ev.builder(ev.PageUpdate)
 _B_STEP = ev.builder(ev.StepBoundary)
 _B_RELEASED = ev.builder(ev.RequestReleased)
+_B_FOLD = ev.builder(ev.DecodeFold)
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
 
@@ -186,6 +187,8 @@ class _CallState:
         "fast_alloc",
         "fast_decode",
         "fast_free",
+        "fold",
+        "fold_decodes",
         "full",
         "host",
         "inner",
@@ -212,6 +215,7 @@ class _CallState:
         "to_raise",
         "want_alloc",
         "want_decode_alloc",
+        "want_decode_ledger",
         "want_evict",
         "want_free",
         "want_ledger",
@@ -228,7 +232,9 @@ class _CallState:
         self.op = ""  # the op whose page updates are being published
         self.want_alloc = self.want_free = self.want_released = self.want_pages = False
         self.want_ledger = self.want_step = self.want_write = self.want_evict = False
-        self.want_decode_alloc = self.time_decode = False
+        self.want_decode_alloc = self.time_decode = self.want_decode_ledger = self.fold_decodes = False
+        # The open decode fold (see DecodeFold in events.py): [slots, rids, decodes, first step, last step], or None.
+        self.fold = None
         self.clock = clock
         self.tls = tls
         self.bus = bus
@@ -818,13 +824,21 @@ class InstrumentedAllocator:
 
     def subscribe(self, sink) -> None:
         with self._w_lock:
+            self._close_fold()
             self.bus.subscribe(sink)
             self._sync_deltas()
 
     def unsubscribe(self, sink) -> None:
         with self._w_lock:
+            self._close_fold()  # the sink leaving gets the decodes it has not been told of yet
             self.bus.unsubscribe(sink)
             self._sync_deltas()
+
+    def _close_fold(self) -> None:
+        """Build the open decode fold, if any, and deliver it now (under the lock, between calls)."""
+        if self._w_st.fold is not None:
+            self._flush_fold()
+            self._finish()
 
     def _set_counts(self) -> None:
         # What step() reads for the count checks, in one attribute: (count, shadow) of each pool, in pool order.
@@ -841,6 +855,16 @@ class InstrumentedAllocator:
                 p.shadow.deltas = None
         st, wants = self._w_st, self.bus.wants
         st.want_ledger = wants(ev.LedgerUpdate)
+        # Decodes' updates one by one for a sink that reads them; else, for a sink that reads their folds, folds
+        # (immediate verification only: deferred publishes a decode's update at the step boundary, so it builds the
+        # updates for that sink instead; see DecodeFold in events.py).
+        one_by_one, folds = self.bus.wants_decode_ledgers(), wants(ev.DecodeFold)
+        if st.deferred:
+            st.want_decode_ledger, st.fold_decodes = st.want_ledger and (one_by_one or folds), False
+        else:
+            st.want_decode_ledger, st.fold_decodes = st.want_ledger and one_by_one, folds and not one_by_one
+        if st.fold is not None and not st.fold_decodes:
+            self._flush_fold()  # delivered with the next call's events
         st.want_pages = want
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
@@ -950,6 +974,8 @@ class InstrumentedAllocator:
                 # The id is named (and carried as the violation's rid, so a hasher can redact it in the message).
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"), rid=rid)
             st.op = "release"
+            if st.fold is not None:
+                self._flush_fold()  # before the release resets the request's ledger values
             if st.deferred:
                 self._slot_tier(lambda: self._do_release(rid))
             else:
@@ -1104,6 +1130,8 @@ class InstrumentedAllocator:
         with st.lock:
             op = "alloc"
             st.op = op
+            if st.fold is not None:
+                self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             if type(need_size) is int and need_size >= 0:
                 n = need_size  # what check_int accepts and returns unchanged
             else:
@@ -1207,6 +1235,8 @@ class InstrumentedAllocator:
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
         with st.lock:
             st.op = op
+            if st.fold is not None:
+                self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
             trusted = st.inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
             if trusted:
@@ -1439,6 +1469,9 @@ class InstrumentedAllocator:
             else:
                 # _entries_before's two-pool case, inline (an SWA allocator's every decode): free+staged page counts.
                 before = [(p.count(), 0) for p in st.pools.values()]
+            fold = st.fold
+            if fold is not None and fold[0] is not slots:
+                self._flush_fold()  # another batch: the open fold ends before this decode changes any value
             timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             t0 = st.clock() if timed else 0.0
             try:
@@ -1482,8 +1515,16 @@ class InstrumentedAllocator:
                     if n_new is None:
                         n_new = self._decode_fast(st, o, seq, slots, bound, bs)
             if n_new is not None:
-                if slots is not None and st.want_ledger:
-                    self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                if slots is not None:
+                    if st.want_decode_ledger:
+                        self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
+                    elif st.fold_decodes:
+                        fold = st.fold
+                        if fold is None:
+                            st.fold = [slots, bound[0], 1, st.step, st.step]
+                        else:  # the same batch (checked on entry)
+                            fold[2] += 1
+                            fold[4] = st.step
                 if allocs:
                     emit_alloc = self._emit_alloc
                     emit_alloc(op, bs, int(n_new), dt)
@@ -1525,8 +1566,16 @@ class InstrumentedAllocator:
                 for arr in led.owned.values():
                     arr[openers] += 1
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
-            if self._w_st.want_ledger:
+            st = self._w_st
+            if st.want_decode_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
+            elif st.fold_decodes:
+                fold = st.fold
+                if fold is None:
+                    st.fold = [slots, self._w_bound[0], 1, st.step, st.step]
+                else:  # the same batch (checked on entry)
+                    fold[2] += 1
+                    fold[4] = st.step
         full, swa_pool = self._w_st.full, self._w_st.swa
         pos = seq - 1
 
@@ -1960,6 +2009,11 @@ class InstrumentedAllocator:
         st = self._w_st  # every read below from it (see _CallState)
         with st.lock:
             st.op = op
+            if st.fold is not None and op != "free_swa" and op != "free_swa_segment":
+                # Before the free changes any ledger value (see DecodeFold). A free of SWA pages alone (an SWA
+                # eviction, about one a step) changes none, unless it leaves a request with no page at all: the
+                # reset below closes the fold then.
+                self._flush_fold()
             # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
             # accepted inline; anything else goes through the full argument checks, which name the fault.
             if not (
@@ -2089,6 +2143,8 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
+            if st.fold is not None:
+                self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
@@ -2147,6 +2203,8 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             self._w_st.op = "resize"
+            if self._w_st.fold is not None:
+                self._flush_fold()
             self._drain(wait=True)
             result = inner.resize(config)
             led = self._w_st.ledger
@@ -2188,6 +2246,8 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             self._w_st.op = "clear"
+            if self._w_st.fold is not None:
+                self._flush_fold()
             # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
@@ -2460,6 +2520,8 @@ class InstrumentedAllocator:
             empty = np.ones(slots.size, bool)
             for arr in led.owned.values():
                 empty &= arr[slots] <= 0
+            if self._w_st.fold is not None and empty.any():
+                self._flush_fold()  # an SWA free left a request no page: the fold's values before they reset
             for s in slots[empty]:
                 led.reset(int(s))
                 led.tainted.discard(int(s))
@@ -2493,6 +2555,8 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
+            if st.fold is not None:
+                self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
             led.reset(s)
             led.tainted.discard(s)
         led.dirty.add(s)
@@ -2941,6 +3005,22 @@ class InstrumentedAllocator:
                 for pages, owners in deltas:
                     st.seq = seq = st.seq + 1
                     events.append(_B_PAGES(seq, clock(), step, op, name, pages, owners))
+
+    def _flush_fold(self) -> None:
+        """Build the open decode fold (``DecodeFold``: the requests' ledger values now) into this call's events and
+        close it. Called before anything changes those values but a further decode of the same batch."""
+        st = self._w_st
+        fold, st.fold = st.fold, None
+        slots, rids, n, first, last = fold
+        led = st.ledger
+        st.seq = seq = st.seq + 1
+        # Gathers by an index array: copies, owned by the event; slots and rids are the binding's (read-only).
+        st.events.append(
+            _B_FOLD(
+                seq, st.clock(), st.step, "alloc_decode", rids, slots, n, first, last,
+                led.allocated[slots], led.committed[slots], led.evicted[slots],
+            )
+        )  # fmt: skip
 
     def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None, *, private: bool = False) -> None:
         """A ``LedgerUpdate`` of ``slots`` (when some sink reads them). ``private``: the caller guarantees that

@@ -789,3 +789,171 @@ def test_a_refused_decode_is_timed_for_alloc_failed_without_decode_allocs():
     assert [(e.op, e.requested, e.available, e.duration) for e in failed] == [("alloc_decode", 2, 0, 1.0)]
     assert not _decode_allocs(k.events)
     assert [e.seq for e in k.events] == list(range(1, len(k.events) + 1))
+
+
+# -- decode folds (decode_ledgers = False) ------------------------------------------------------------------------
+class Folding(Keeper):
+    """Reads ledger updates and decode folds, not each decode's update (``decode_ledgers = False``)."""
+
+    decode_ledgers = False
+
+
+FOLD_KINDS = {ev.LedgerUpdate, ev.DecodeFold, ev.RequestReleased}
+
+
+def _decode_updates(events) -> list:
+    return [e for e in events if type(e) is ev.LedgerUpdate and e.op == "alloc_decode"]
+
+
+def _runs(events) -> list[list]:
+    """The per-decode updates of a stream, cut into runs: consecutive ones of the same slots array with no other
+    event in between but step boundaries (what one fold stands for)."""
+    runs: list[list] = []
+    prev = None
+    for e in events:
+        if type(e) is ev.LedgerUpdate and e.op == "alloc_decode":
+            if prev is not None and prev.slots is e.slots:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+            prev = e
+        elif type(e) is not ev.StepBoundary:
+            prev = None
+    return runs
+
+
+@pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
+def test_a_folding_sink_gets_one_fold_per_run_of_decodes_with_the_last_decodes_values(make):
+    """A sink declaring ``decode_ledgers = False`` and reading ``DecodeFold`` gets, instead of each decode's
+    ``LedgerUpdate``, one fold per run of decodes of one batch (three in one ``batch()`` block, three more in
+    blocks of their own binding the same ids: one run of six), built before the free that ends the run, with the
+    run's last decode's values, its slots and ids, and the steps of its first and last decode. Every other event
+    is what a sink reading each decode's update gets, and ``seq`` stays gap-free over what was built."""
+    f = Folding(event_types=FOLD_KINDS | {ev.StepBoundary})
+    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[f])
+    f.alloc = w
+    assert w._w_st.fold_decodes and not w.bus.wants_decode_ledgers()
+    _churn(w)
+    each = Keeper(event_types={ev.LedgerUpdate, ev.RequestReleased, ev.StepBoundary})
+    w2 = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[each])
+    each.alloc = w2
+    assert not w2._w_st.fold_decodes and w2.bus.wants_decode_ledgers()
+    _churn(w2)
+
+    assert not _decode_updates(f.events)
+    folds = [e for e in f.events if type(e) is ev.DecodeFold]
+    runs = _runs(each.events)
+    assert [len(r) for r in runs] == [6, 6, 6]
+    assert [(x.n, x.first_step, x.last_step, x.op) for x in folds] == [
+        (6, r[0].step, r[-1].step, "alloc_decode") for r in runs
+    ]
+    for x, run in zip(folds, runs):
+        last = run[-1]
+        assert x.rids == last.rids and x.slots.tolist() == last.slots.tolist()
+        for col in ("allocated", "committed", "evicted"):
+            assert getattr(x, col).tolist() == getattr(last, col).tolist()
+    # Each fold comes right before the free that ended its run; the rest is the same stream.
+    for x in folds:
+        after = f.events[f.events.index(x) + 1]
+        assert type(after) is ev.LedgerUpdate and after.op == "free"
+    assert _strip([e for e in f.events if type(e) is not ev.DecodeFold]) == _strip(
+        [e for e in each.events if not (type(e) is ev.LedgerUpdate and e.op == "alloc_decode")]
+    )
+    assert [e.seq for e in f.events] == list(range(1, len(f.events) + 1))
+    assert not w.violations and not w2.violations
+
+
+def _decode(w, reqs):
+    with w.batch([r.rid for r in reqs]):
+        out = w.alloc_decode(*decode_args(reqs))
+    for r, s in zip(reqs, out.tolist()):
+        r.row.append(s)
+
+
+def test_what_closes_a_decode_fold_and_what_does_not():
+    """Steps and a free of SWA pages alone (an SWA eviction: no ledger value changes) leave the fold open; a decode
+    of another batch, an extend, a full free, a release and ``clear()`` build it first, with the values from before
+    they change anything (here, before the free shrinks them)."""
+    f = Folding(event_types=FOLD_KINDS)
+    w = InstrumentedAllocator(swa(), mode="record", sliding_window=8, sinks=[f])
+    f.alloc = w
+    st = w._w_st
+    a, b = Req("a"), Req("b")
+    with w.batch(["a", "b"]):
+        split_extend([a, b], [8, 9], w.alloc_extend(*extend_args([a, b], [8, 9])))
+    for _ in range(4):
+        _decode(w, [a, b])
+        w.step()
+    assert st.fold[2] == 4 and not [e for e in f.events if type(e) is ev.DecodeFold]
+    w.free_swa_segment(t(a.row[:4]), start_pos=0)  # a's first SWA page, outside the window
+    w.ledger["a"].swa_evicted_seqlen = 4
+    assert st.fold[2] == 4  # still open: the eviction changed no value a fold carries but the write's
+    _decode(w, [a])  # another batch
+    (x,) = [e for e in f.events if type(e) is ev.DecodeFold]
+    assert (x.rids, x.n, x.allocated.tolist(), x.committed.tolist(), x.evicted.tolist()) == (
+        ("a", "b"),
+        4,
+        [12, 16],
+        [12, 13],
+        [4, 0],  # the write made since the last decode, as the ledger holds it when the fold is built
+    )
+    assert st.fold[1] == ("a",) and st.fold[2] == 1
+    w.free(t(a.row))
+    y = [e for e in f.events if type(e) is ev.DecodeFold][-1]
+    assert (y.rids, y.n, y.allocated.tolist(), y.committed.tolist()) == (("a",), 1, [16], [13])  # before the free
+    assert f.events[-1].op == "free" and f.events[-1].allocated.tolist() == [0]  # the free's own update after it
+    for closer in ("extend", "release", "clear"):
+        _decode(w, [b])
+        assert st.fold is not None
+        n = len(f.events)
+        if closer == "extend":
+            c = Req("c")
+            with w.batch(["c"]):
+                split_extend([c], [3], w.alloc_extend(*extend_args([c], [3])))
+        elif closer == "release":
+            w.free(t(b.row))
+            w.release_request("b")
+        else:
+            w.clear()
+        assert st.fold is None and type(f.events[n]) is ev.DecodeFold, closer
+    assert [e.seq for e in f.events] == list(range(1, len(f.events) + 1))
+
+
+def test_decode_folds_follow_the_sinks_and_the_verification_mode():
+    """A sink reading each decode's update switches the wrapper to those (the open fold is delivered first); the
+    folding sink then receives them too; when that sink leaves, folds again. A folding sink that unsubscribes gets
+    its open fold before it goes. Deferred verification publishes each decode's update at the step boundary:
+    the folding sink receives those, and no fold is built."""
+    f = Folding(event_types=FOLD_KINDS)
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[f])
+    f.alloc = w
+    a, b = _scenario(w)  # one decode: the fold is open
+    assert w._w_st.fold[2] == 1
+    each = Keeper(event_types={ev.LedgerUpdate})
+    w.subscribe(each)
+    assert [type(e) for e in f.events][-1] is ev.DecodeFold and w._w_st.fold is None
+    _decode(w, [a, b])
+    assert len(_decode_updates(f.events)) == len(_decode_updates(each.events)) == 1
+    w.unsubscribe(each)
+    _decode(w, [a, b])
+    assert w._w_st.fold[2] == 1 and len(_decode_updates(f.events)) == 1
+    w.unsubscribe(f)
+    x = f.events[-1]
+    assert type(x) is ev.DecodeFold and x.n == 1 and x.committed.tolist() == [11, 12]  # 8, 9 and three decodes
+    assert w._w_st.fold is None and not w._w_st.fold_decodes
+
+    fd = Folding(event_types=FOLD_KINDS)
+    wd = InstrumentedAllocator(paged(), mode="record", verify="deferred", sinks=[fd])
+    fd.alloc = wd
+    assert not wd._w_st.fold_decodes and wd._w_st.want_decode_ledger
+    a, b = _scenario(wd)
+    _decode(wd, [a, b])
+    wd.step()
+    assert len(_decode_updates(fd.events)) == 2 and not [e for e in fd.events if type(e) is ev.DecodeFold]
+    # A sink declaring decode_ledgers = False that reads no fold gets neither.
+    silent = Folding(event_types={ev.LedgerUpdate})
+    ws = InstrumentedAllocator(paged(), mode="record", sinks=[silent])
+    silent.alloc = ws
+    a, b = _scenario(ws)
+    _decode(ws, [a, b])
+    assert not _decode_updates(silent.events) and ws._w_st.fold is None

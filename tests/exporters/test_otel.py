@@ -26,7 +26,7 @@ from instrumented_alloc.allocators import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from instrumented_alloc.events import RequestReleased, ViolationEvent
+from instrumented_alloc.events import LedgerUpdate, RequestReleased, ViolationEvent
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
 from tests.engine_model import Req, allocator_state, decode_args, extend_args, split_extend, t
 from tests.otlp_receiver import Receiver
@@ -76,6 +76,28 @@ def events(span, name=None) -> list:
 
 
 # -- 1. request spans, in memory ---------------------------------------------------------------------------------
+class _PerDecodeUpdates:
+    """A sink that reads every decode's LedgerUpdate (it does not declare ``decode_ledgers = False``; it declares
+    the exporter's other two, so nothing else is built for it): beside it the wrapper builds those updates instead
+    of folds, and the exporter folds them itself."""
+
+    name = "per-decode-updates"
+    event_types = frozenset({LedgerUpdate})
+    free_ledgers = False
+    decode_allocs = False
+
+    def __call__(self, batch) -> None:
+        return None
+
+
+def fold_in(w, where: str) -> None:
+    """Where runs of decodes get folded for the exporter: "wrapper" (the exporter alone: ``DecodeFold``) or
+    "exporter" (a sink that reads the per-decode updates is subscribed too)."""
+    assert where in ("wrapper", "exporter")
+    if where == "exporter":
+        w.subscribe(_PerDecodeUpdates())
+
+
 def test_request_spans_scripted(memory):
     provider, mem = memory
     w = paged()
@@ -371,17 +393,22 @@ def test_swa_prealloc_and_evictions(memory):
     assert sq.attributes["kv.committed_len"] == 16
 
 
-def test_swa_evictions_leave_the_decode_fold_open(memory):
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_swa_evictions_leave_the_decode_fold_open(memory, where):
     """An SWA eviction of an open request (its ``swa_evicted_seqlen`` write and ``SwaEvict``) reads no record's
-    values: the decode fold stays open across it, the write deferred and replayed at the flush where per-event
-    updates put it: after the folded decodes' values when it is the later (a release right after the eviction), or
-    replaced by a later decode's values (the decode carries the ledger as of its call), or applied whatever the
-    decodes when it names a request they do not (one that holds KV but does not decode)."""
+    values: the decode fold stays open across it. Folded by the exporter (per-decode updates delivered), the write
+    is deferred and replayed at the flush where per-event updates put it: after the folded decodes' values when it
+    is the later (a release right after the eviction), or replaced by a later decode's values (the decode carries
+    the ledger as of its call), or applied whatever the decodes when it names a request they do not (one that
+    holds KV but does not decode). Folded by the wrapper, the eviction's free of SWA pages changes no ledger value
+    and leaves its fold open too; the write arrives first and the fold, built later, carries the values with it.
+    The spans are the same either way."""
     provider, mem = memory
     w = InstrumentedAllocator(
         SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
     )
     exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
     p, q, r = Req("p"), Req("q"), Req("r")
     extend(w, [p, q, r], [10, 10, 14])
 
@@ -397,7 +424,10 @@ def test_swa_evictions_leave_the_decode_fold_open(memory):
             evict(p, 4)
             evict(q, 4)
             evict(r, 4)  # a request the decodes do not name
-            assert exp._dec is not None and len(exp._dec[3]) == 3  # the fold stays open, the writes deferred
+            if where == "exporter":
+                assert exp._dec is not None and len(exp._dec[3]) == 3  # the fold stays open, the writes deferred
+            else:
+                assert exp._dec is None and w._w_st.fold[2] == 2  # the wrapper's fold stays open: two decodes
     evict(p, 8)  # after the latest decode: the value p's span ends with
     w.free(t(p.row))
     w.release_request("p")
@@ -1093,30 +1123,45 @@ def test_fast_path_readable_span_fields_are_the_sdks(otel_env):
     assert exp._counting.counting.settled() == exp._counting.exported == 1
 
 
-def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory, where):
     """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
     the same object; steps between them: events this sink does not read) are folded into one pending update, the
     first decode too when every span is open; a decode of a different batch or a release applies it first (the
     frees before a release build no event for this sink: ``free_ledgers = False``).
     The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
-    the slots of whole pages reserved, page size 4)."""
+    the slots of whole pages reserved, page size 4). The wrapper folds the same runs (the equal ids bind the same
+    slots array while no request joins or leaves the ledger): it builds the fold at the next decode of another
+    batch or at the free."""
     provider, mem = memory
     w = paged()
     exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
+    folds = w._w_st if where == "wrapper" else None
     a, b = Req("a"), Req("b")
     extend(w, [a, b], [5, 7])
     for _ in range(3):
         decode(w, [a, b])  # a new list, so a new rids tuple, each time
         w.step()
-    assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
+    if folds is None:
+        assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
+    else:
+        assert exp._dec is None and folds.fold[2] == 3
     decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
-    assert exp._dec[0] == ("b",) and exp._dec[2] == 1
+    if folds is None:
+        assert exp._dec[0] == ("b",) and exp._dec[2] == 1
+    else:
+        assert folds.fold[1] == ("b",) and folds.fold[2] == 1
+        assert request_spans(mem) == {}  # the first fold was applied: no span ended
     for _ in range(2):
         decode(w, [a, b])
         w.step()
-    assert exp._dec[2] == 2
+    assert (exp._dec if folds is None else folds.fold)[2] == 2
     w.free(t(a.row))
-    assert exp._dec[2] == 2  # nothing delivered to this sink
+    if folds is None:
+        assert exp._dec[2] == 2  # nothing delivered to this sink
+    else:
+        assert folds.fold is None  # built before the free changed a's values, delivered with the free
     w.release_request("a")
     assert exp._dec is None
     w.free(t(b.row))
@@ -1129,19 +1174,25 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory):
     assert not w.violations
 
 
-def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory):
-    """An exporter attached after a request's prefill first sees it at a decode: that decode opens the span and is
-    applied at once (not folded: no span to fold into yet); the next equal decodes fold into it."""
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory, where):
+    """An exporter attached after a request's prefill first sees it at a decode: folding itself, that decode opens
+    the span and is applied at once (not folded: no span to fold into yet); the next equal decodes fold into it.
+    With the wrapper folding, the span opens when the fold arrives (here with the free); the spans are the same."""
     provider, mem = memory
     w = paged()
     a, b = Req("a"), Req("b")
     extend(w, [a, b], [5, 7])
     exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
     decode(w, [a, b])
-    assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
+    if where == "exporter":
+        assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
+    else:
+        assert exp.open_requests == 0 and w._w_st.fold[2] == 1
     decode(w, [a, b])
     decode(w, [a, b])
-    assert exp._dec[2] == 2
+    assert (exp._dec[2] == 2) if where == "exporter" else (w._w_st.fold[2] == 3)
     w.free(t(a.row))
     w.release_request("a")
     sa = request_spans(mem)["a"]
