@@ -2,9 +2,9 @@
 
 The engine loop of ``bench_exporters`` (``engine_loop``) with a null sink that declares each exporter's
 ``event_types``, ``decode_allocs``, ``free_ledgers`` and ``decode_ledgers`` (and one with none: every kind),
-against the same loop with no sink,
-interleaved; CPU time of the process, median ratio of the repeats (a warm-up round first). The floor under each
-exporter's engine-loop row: what the wrapper spends building and delivering the events that exporter reads.
+against the same loop with no sink, interleaved; CPU time of the process, median ratio of the repeats (a warm-up
+round first). The floor under each exporter's engine-loop row: what the wrapper spends building and delivering
+the events that exporter reads.
 """
 
 from __future__ import annotations
