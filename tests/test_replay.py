@@ -235,3 +235,43 @@ def test_round_trip_through_a_leak_freed_later(verify):
     assert s.ledger == {
         r: (int(x), int(y), int(z)) for r, x, y, z in zip(led.rids, led.allocated, led.committed, led.evicted)
     } == {"b": (12, 9, 0)}
+
+
+def test_a_decode_fold_sets_the_rows_it_lists():
+    """``DecodeFold`` (a run of decodes folded for a sink that declares ``decode_ledgers = False``) sets the rows it
+    lists as a ``LedgerUpdate`` would: a stream of folds and the other events, replayed, gives the live ledger at
+    every point where no fold is open (here: after the free that closed it)."""
+    inner = PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False)
+    w = InstrumentedAllocator(inner, mode="record")
+    base = state_from_snapshots(w.snapshot(), seq=0)
+    seen: list = []
+
+    class Folding:
+        name = "folding"
+        event_types = frozenset({ev.PageUpdate, ev.LedgerUpdate, ev.DecodeFold, ev.RequestReleased, ev.StepBoundary})
+        decode_ledgers = False
+
+        def __call__(self, batch):
+            seen.extend(batch)
+
+    w.subscribe(Folding())
+    a, b = Req("a"), Req("b")
+    with w.batch(["a", "b"]):
+        rows = w.alloc_extend(*extend_args([a, b], [5, 7])).tolist()
+    a.row, b.row = rows[:5], rows[5:]
+    for _ in range(6):
+        with w.batch(["a", "b"]):
+            out = w.alloc_decode(*decode_args([a, b])).tolist()
+        a.row.append(out[0])
+        b.row.append(out[1])
+        w.step()
+    assert not [e for e in seen if type(e) is ev.DecodeFold]  # still open
+    w.free(t(b.row))
+    (fold,) = [e for e in seen if type(e) is ev.DecodeFold]
+    assert fold.n == 6 and fold.committed.tolist() == [11, 13]
+    s = apply(base, seen)
+    led = w.snapshot()["full"].ledger
+    live = zip(led.rids, led.allocated, led.committed, led.evicted)
+    assert s.ledger == {r: (int(x), int(y), int(z)) for r, x, y, z in live}
+    assert s.ledger["a"] == (12, 11, 0) and s.ledger["b"] == (0, 0, 0)
+    assert (s.owners["full"] == w.snapshot()["full"].owner).all()
