@@ -39,17 +39,19 @@ Contract:
   declaration (the sink then receives free updates). Absent (or anything but False): the sink reads them; the
   dict is then not written (entries left from before stay, older than every later update).
 - A sink that reads ``LedgerUpdate`` may also declare ``decode_ledgers = False``: it reads no ``LedgerUpdate`` of
-  ``alloc_decode`` one by one, only their fold (``DecodeFold``, which it must then read): consecutive decodes of
-  the same bound batch (the same slots array: one ``batch()`` block, or the next blocks binding the same ids while
-  the id -> slot mapping is unchanged) as one event, built when the run ends, before the next call that changes
-  those values, or could: any allocation other than a further decode of that batch, a free, a release,
-  ``clear()``/``resize()``, a change of the sinks. Its values are the requests' ledger values then, which are the
-  last decode's with any checked ledger write made since (a write builds its own ``LedgerWrite`` as usual, with
-  an earlier ``seq`` than the fold's). While no other sink reads decodes' updates (``EventBus.wants_decode_ledgers``)
-  and verification is immediate, the wrapper builds folds instead of the per-decode updates: a decode then builds
-  no event at all for such a sink (most calls of a decode-heavy run). Otherwise (another sink reads them, or
-  deferred verification, which publishes a decode's update at the step boundary) it builds the per-decode updates
-  and no fold, and the sink receives those. Absent (or anything but False): the sink reads the per-decode updates.
+  ``alloc_decode`` one by one, only their fold (``DecodeFold``, which it must then read): consecutive decodes of the
+  same bound batch (the same slots array: one ``batch()`` block, or the next blocks binding the same ids while the id
+  -> slot mapping is unchanged) as one event, built when the run ends, before the next call that changes those values,
+  or could: any allocation other than a further decode of that batch, a free (but for a free of SWA pages alone, an
+  SWA eviction, which changes none unless it leaves a request no page at all: that ends the run too), a release,
+  ``clear()``/``resize()``, a change of the sinks. Step boundaries leave it open. Its values are the requests' ledger
+  values then, which are the last decode's with any checked ledger write made since (a write builds its own
+  ``LedgerWrite`` as usual, with an earlier ``seq`` than the fold's). While no other sink reads decodes' updates
+  (``EventBus.wants_decode_ledgers``) and verification is immediate, the wrapper builds folds instead of the
+  per-decode updates: a decode then builds no event at all for such a sink (most calls of a decode-heavy run).
+  Otherwise (another sink reads them, or deferred verification, which publishes a decode's update at the step
+  boundary) it builds the per-decode updates and no fold, and the sink receives those. Absent (or anything but False):
+  the sink reads the per-decode updates.
 - An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
   copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
   binding and its owner codes, shared by that block's ``LedgerUpdate``s and page deltas, and by later blocks
