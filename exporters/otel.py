@@ -1331,26 +1331,14 @@ class OtelExporter:
                         r.cur_allocated, r.cur_committed = a, c
                         r.mark = seq
                 return
-        alloc, comm = e.allocated.tolist(), e.committed.tolist()
         if op in DECODE_OPS:
-            get = self._open.get
-            seq = e.seq
             # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
             # here, not per Alloc event; the decodes after it fold.
-            for rid, a, c, v in zip(e.rids, alloc, comm, e.evicted.tolist()):
-                r = get(rid)
-                if r is None:
-                    if rid is None:
-                        continue
-                    r = self._start(rid)
-                r.allocated = r.cur_allocated = a
-                r.committed = r.cur_committed = c
-                r.evicted = v
-                r.decode_steps += 1
-                r.mark = seq
+            self._apply_decodes(e, 1)
             self._dec = [e.rids, e, 0, []]
             self._dec_version = self._open_version
             return
+        alloc, comm = e.allocated.tolist(), e.committed.tolist()
         pending = self._pending
         get = self._open.get
         seq = e.seq
@@ -1408,13 +1396,18 @@ class OtelExporter:
         a request with no open span gets one now (its decodes are the first we hear of it)."""
         if self._dec is not None:
             self._flush_decode()
+        self._apply_decodes(e, e.n)
+
+    def _apply_decodes(self, e, n: int) -> None:
+        """``n`` decodes of ``e.rids`` (a decode's LedgerUpdate, or a DecodeFold): each request's record as ``e``
+        leaves it, ``n`` decode steps more; a request with no open span gets one (an unattributed one is skipped)."""
         get = self._open.get
-        seq, n = e.seq, e.n
+        seq = e.seq
         for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
             r = get(rid)
             if r is None:
                 if rid is None:
-                    continue  # unattributed
+                    continue
                 r = self._start(rid)
             r.allocated = r.cur_allocated = a
             r.committed = r.cur_committed = c

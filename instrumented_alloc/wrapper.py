@@ -1519,12 +1519,7 @@ class InstrumentedAllocator:
                     if st.want_decode_ledger:
                         self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                     elif st.fold_decodes:
-                        fold = st.fold
-                        if fold is None:
-                            st.fold = [slots, bound[0], 1, st.step, st.step]
-                        else:  # the same batch (checked on entry)
-                            fold[2] += 1
-                            fold[4] = st.step
+                        self._fold_decode(st, slots, bound[0])
                 if allocs:
                     emit_alloc = self._emit_alloc
                     emit_alloc(op, bs, int(n_new), dt)
@@ -1570,12 +1565,7 @@ class InstrumentedAllocator:
             if st.want_decode_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
             elif st.fold_decodes:
-                fold = st.fold
-                if fold is None:
-                    st.fold = [slots, self._w_bound[0], 1, st.step, st.step]
-                else:  # the same batch (checked on entry)
-                    fold[2] += 1
-                    fold[4] = st.step
+                self._fold_decode(st, slots, self._w_bound[0])
         full, swa_pool = self._w_st.full, self._w_st.swa
         pos = seq - 1
 
@@ -3005,6 +2995,17 @@ class InstrumentedAllocator:
                 for pages, owners in deltas:
                     st.seq = seq = st.seq + 1
                     events.append(_B_PAGES(seq, clock(), step, op, name, pages, owners))
+
+    @staticmethod
+    def _fold_decode(st: _CallState, slots: np.ndarray, rids: tuple) -> None:
+        """Count a verified decode of ``slots`` in the open fold (``alloc_decode`` closed any fold of another batch
+        on entry), or open one."""
+        fold = st.fold
+        if fold is None:
+            st.fold = [slots, rids, 1, st.step, st.step]
+        else:
+            fold[2] += 1
+            fold[4] = st.step
 
     def _flush_fold(self) -> None:
         """Build the open decode fold (``DecodeFold``: the requests' ledger values now) into this call's events and
