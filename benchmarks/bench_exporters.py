@@ -5,7 +5,8 @@ tokens, 24 decode steps each, a ``step()`` per decode; the requests are then fre
 one exporter attached vs none, interleaved. Short-lived requests: what an exporter pays per request (a span, its
 events, a histogram observation) weighs heavily here. The OTel exporter gets its own provider as deployed (the
 default sampler, its ``CountingBatchSpanProcessor``: the fast span path) exporting to an in-memory span exporter
-(``span_exporter=``: no encoding, no network).
+(``span_exporter=``: no encoding, no network). One more OTel row runs the same under ``OTEL_TRACES_SAMPLER=
+parentbased_traceidratio``, ``OTEL_TRACES_SAMPLER_ARG=0.1`` (about one request in ten traced): what a sampler saves.
 
 Demo engine rows (one per exporter): the demo engine (``instrumented_alloc.sim``, preset swa-128: continuous
 batching, chunked prefill, SWA eviction every 64 tokens; prompts of a median 256 tokens and outputs of a median 128
@@ -25,6 +26,8 @@ thread finish their backlog there, so their work is counted, not left behind. (S
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +72,24 @@ def _wrapped(pages: int = 4096):
     return InstrumentedAllocator(PagedTokenToKVPoolAllocator(pages * PS, PS, torch.float16, "cpu"), mode="record")
 
 
+@contextlib.contextmanager
+def _environ(**values: str):
+    """``values`` set in ``os.environ`` for the block (the OTel SDK reads its sampler there), then put back."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+SAMPLED = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+
+
 def _attach(kind: str, alloc, tmp: Path):
     if kind == "prometheus":
         from prometheus_client import CollectorRegistry
@@ -82,6 +103,13 @@ def _attach(kind: str, alloc, tmp: Path):
         from exporters.otel import OtelExporter
 
         return OtelExporter(alloc, span_exporter=InMemorySpanExporter())
+    if kind == "otel-sampled":
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from exporters.otel import OtelExporter
+
+        with _environ(**SAMPLED):
+            return OtelExporter(alloc, span_exporter=InMemorySpanExporter())
     if kind == "recorder":
         from exporters.recorder import FlightRecorder
 
@@ -178,6 +206,14 @@ def rows(*, repeats: int, iterations: int, clock, demo_steps: int = 3000) -> lis
         )
         for kind in ("prometheus", "otel", "recorder")
     ]
+    out.insert(
+        2,
+        (
+            "engine loop with otel, parentbased_traceidratio 0.1 / without (record mode)",
+            measure_exporter("otel-sampled", iterations=iterations, repeats=repeats, clock=clock),
+            "",
+        ),
+    )
     with _ReceiverProcess() as rx:
         for kind, how in (
             ("prometheus", "scraped every 1 s"),

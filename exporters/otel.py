@@ -33,7 +33,7 @@ What is traced
   One naming a request whose span already ended (a leak found by a later sweep) gets a ``kv.violation`` span in
   that request's trace, as a child of the ended span.
 - ``alloc.trace_id_for`` is set to this exporter's lookup, so each ``Violation`` of a request carries the trace
-  id (32 hex digits) of that request's span.
+  id (32 hex digits) of that request's span (None when the sampler dropped it: see Sampling below).
 
 Threading and what is dropped when
 - The sink runs on the engine thread, inside the wrapper's call, after the allocator call returned. It only
@@ -56,8 +56,9 @@ Threading and what is dropped when
   losses reported the same way.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
-- The fast span path (our own provider only): when every span would be sampled (``OTEL_TRACES_SAMPLER`` unset,
-  ``parentbased_always_on`` or ``always_on``), the SDK is enabled and the span limits trim nothing of ours (no
+- The fast span path (our own provider only): when the sampler is one ``OTEL_TRACES_SAMPLER`` names (unset:
+  ``parentbased_always_on``; ``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_off``,
+  ``parentbased_traceidratio``), the SDK is enabled and the span limits trim nothing of ours (no
   ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
   least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
   provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
@@ -70,6 +71,18 @@ Threading and what is dropped when
   once, at import, against the constructors, which are used instead should an SDK version do more there).
   Processors added to our ``tracer_provider`` afterwards see none of these spans (pass your own provider for
   that). Any other sampler or limit: the SDK's spans, which apply them.
+- Sampling on the fast path: the sampler's decision is made once, when the span starts, as its ``should_sample``
+  makes it (``_sampling_decision``: by the trace id's low 64 bits for a ratio, by the parent's flag for a
+  parent-based sampler's child; ids drawn in the SDK's order, dropped spans' included). A request whose span is
+  dropped keeps only its context and counters until its release: no span event built, no ``ReadableSpan``, nothing
+  queued, nothing counted as lost. So a sampler cuts the exporter's cost, where the SDK's non-recording spans
+  would not (each still a span object, a sampler call and its events' attributes built).
+- Tracing off: when no span can be produced (``OTEL_SDK_DISABLED``, or a provider whose tracer is a no-op; our
+  provider's sampler dropping every span of ours: ``always_off``, ``parentbased_always_off``, a ratio of 0) the
+  exporter subscribes to nothing: with no other sink the wrapper builds no event, and ``trace_id_for`` is not set.
+- Sampling and trace ids: ``trace_id_for`` (and so a violation's ``trace_id`` and the Prometheus exemplar) is None
+  for a request whose span the sampler dropped, on either path: such a trace is never exported (the same rule as
+  OpenTelemetry's trace-based exemplar filter).
 - A ``tracer_provider`` passed in is used as given: a synchronous processor in it (``SimpleSpanProcessor``) would
   export on the engine thread; that is the tests' in-memory setup, not a production one.
 - What the sink reads (``event_types``; ``decode_allocs = False``, ``free_ledgers = False`` and
@@ -182,7 +195,63 @@ def _attr_value(rid):
 
 
 def _trace_hex(ctx) -> str | None:
-    return format(ctx.trace_id, "032x") if ctx is not None and ctx.is_valid else None
+    """The trace id of a sampled span's context as 32 hex digits; None for no context, an invalid one or a span the
+    sampler dropped (never exported: its id would link to nothing, as OpenTelemetry's trace-based exemplar filter
+    keeps exemplars of sampled traces only)."""
+    if ctx is None or not ctx.is_valid or not ctx.trace_flags.sampled:
+        return None
+    return format(ctx.trace_id, "032x")
+
+
+def _sampling_decision(sampler):
+    """``decide(parent, trace_id) -> bool``: whether ``sampler.should_sample`` samples one of our spans, with
+    ``parent`` None for a root span (every request span, and a violation span naming no ended request) or the
+    sampled flag of the local, valid parent (an ended request span's context: a violation span in its trace).
+    Exact for the SDK's own samplers as their classes define them (``StaticSampler`` deciding DROP or
+    RECORD_AND_SAMPLE: ALWAYS_OFF/ALWAYS_ON; ``TraceIdRatioBased``; ``ParentBased`` and
+    ``ParentBasedTraceIdRatio`` over such samplers): what every ``OTEL_TRACES_SAMPLER`` value builds. None for
+    anything else (a subclass that overrides ``should_sample``, RECORD_ONLY, another sampler): the SDK's spans
+    then apply it. Remote parents never occur (our spans' parents are our own), so their delegates are not read."""
+    should = getattr(type(sampler), "should_sample", None)
+    if isinstance(sampler, sampling.StaticSampler) and should is sampling.StaticSampler.should_sample:
+        decision = getattr(sampler, "_decision", None)
+        if decision is sampling.Decision.RECORD_AND_SAMPLE:
+            return lambda parent, trace_id: True
+        if decision is sampling.Decision.DROP:
+            return lambda parent, trace_id: False
+        return None
+    if isinstance(sampler, sampling.TraceIdRatioBased) and should is sampling.TraceIdRatioBased.should_sample:
+        bound, limit = sampler.bound, sampler.TRACE_ID_LIMIT
+        return lambda parent, trace_id: trace_id & limit < bound
+    if isinstance(sampler, sampling.ParentBased) and should is sampling.ParentBased.should_sample:
+        root, on_sampled, on_unsampled = (
+            _sampling_decision(getattr(sampler, name, None))
+            for name in ("_root", "_local_parent_sampled", "_local_parent_not_sampled")
+        )
+        if root is None or on_sampled is None or on_unsampled is None:
+            return None
+
+        def decide(parent, trace_id):
+            if parent is None:
+                return root(None, trace_id)
+            return (on_sampled if parent else on_unsampled)(parent, trace_id)
+
+        return decide
+    return None
+
+
+def _samples_nothing(sampler) -> bool:
+    """Whether ``sampler`` (one ``_sampling_decision`` reads) drops every span of ours: each root span, and each
+    child of a dropped span (all our parents would be dropped ones)."""
+    if isinstance(sampler, sampling.StaticSampler):
+        return getattr(sampler, "_decision", None) is sampling.Decision.DROP
+    if isinstance(sampler, sampling.TraceIdRatioBased):
+        return sampler.bound <= 0
+    if isinstance(sampler, sampling.ParentBased):
+        return _samples_nothing(getattr(sampler, "_root", None)) and _samples_nothing(
+            getattr(sampler, "_local_parent_not_sampled", None)
+        )
+    return False
 
 
 def _traces_url(endpoint: str) -> str:
@@ -645,26 +714,54 @@ class _OtlpSpanExporter(OTLPSpanExporter):
 
 
 class _FastTracer:
-    """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope."""
+    """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope, and
+    its sampler's decision (``decide``, see ``_sampling_decision``; None: every span of ours is sampled)."""
 
-    __slots__ = ("ids", "processor", "provider", "rand", "resource", "scope")
+    __slots__ = ("decide", "ids", "processor", "provider", "rand", "resource", "scope")
 
-    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor):
+    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor, decide=None):
         self.provider = provider
+        self.decide = decide
         self.resource = provider.resource
         self.ids = provider.id_generator
-        # The SDK's RandomIdGenerator draws random.getrandbits(128) / (64) until non-zero: _FastReq draws the same
+        # The SDK's RandomIdGenerator draws random.getrandbits(128) / (64) until non-zero: new_ids draws the same
         # itself (two Python calls less per request). Any other generator is called.
         self.rand = random.getrandbits if type(self.ids) is RandomIdGenerator else None
         self.processor = processor
         # What ``provider.get_tracer(TRACER_NAME)`` gives its spans (version "", no schema URL, no attributes).
         self.scope = InstrumentationScope(TRACER_NAME, "", None, None)
 
-    def start_span(self, name: str, attributes: dict, parent: SpanContext | None = None) -> _FastSpan:
-        return _FastSpan(self, name, attributes, parent)
+    def new_ids(self) -> tuple[int, int]:
+        """A new span's trace id and span id, drawn as the SDK's tracer draws them (the trace id first; for the
+        SDK's RandomIdGenerator, its two calls inlined: the same draws, in the same order)."""
+        rand = self.rand
+        if rand is None:
+            ids = self.ids
+            return ids.generate_trace_id(), ids.generate_span_id()
+        tid = rand(128)
+        while not tid:
+            tid = rand(128)
+        sid = rand(64)
+        while not sid:
+            sid = rand(64)
+        return tid, sid
+
+    def start_span(self, name: str, attributes: dict, parent: SpanContext | None = None) -> _FastSpan | None:
+        """A span, or None when the sampler drops it (its ids drawn all the same, as the SDK draws them for the
+        non-recording span it returns then: the id sequence does not depend on the decisions)."""
+        decide = self.decide
+        if decide is None:
+            return _FastSpan(self, name, attributes, parent)
+        ids = self.ids
+        tid = ids.generate_trace_id() if parent is None else parent.trace_id
+        if decide(None if parent is None else bool(parent.trace_flags.sampled), tid):
+            return _FastSpan(self, name, attributes, parent, tid)
+        ids.generate_span_id()
+        return None
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _INTERNAL = SpanKind.INTERNAL
 _TRACE_ID_MAX = 2**128 - 1
 _SPAN_ID_MAX = 2**64 - 1
@@ -747,8 +844,8 @@ class _FastSpan:
 
     Implements the part of the SDK ``Span`` API this module uses (``set_attribute``, ``set_attributes``,
     ``add_event``, ``set_status``, ``end``, ``get_span_context``, ``is_recording``), with the SDK span's results
-    under the conditions ``OtelExporter`` checks before using it (see ``_fast_tracer``): sampled (the provider's
-    sampler is ALWAYS_ON or the default parent-based one, and a parent is always one of our sampled spans), ids from
+    under the conditions ``OtelExporter`` checks before using it (see ``_fast_tracer``): sampled (built only when
+    the provider's sampler, decided by ``_FastTracer.start_span``/``OtelExporter._start``, samples it), ids from
     the provider's id generator, times from ``time.time_ns``, no attribute to trim (the limits leave room for all
     of ours; events are bounded by ``OtelExporter`` itself). Not thread-safe: used under the exporter's lock. What
     it skips: the sampler call, ``SpanLimits``/``BoundedAttributes`` copies and checks, the span's lock, and the
@@ -769,12 +866,14 @@ class _FastSpan:
         "trace_id",
     )
 
-    def __init__(self, tracer: _FastTracer, name: str, attributes: dict, parent: SpanContext | None):
+    def __init__(self, tracer: _FastTracer, name: str, attributes: dict, parent: SpanContext | None, trace_id: int = 0):
         ids = tracer.ids
         self._tracer = tracer
         self.name = name
         self.parent = parent
-        self.trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
+        if not trace_id:  # else drawn already (a sampling decision read it)
+            trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
+        self.trace_id = trace_id
         self.span_id = ids.generate_span_id()
         self.attributes = attributes  # owned by the span from here on
         self.events: list = []
@@ -855,6 +954,7 @@ class _Req:
         "span",
         "violations",
     )
+    sampled = True  # the sampler's decision is the span's (the SDK's spans) or made at the start (_Unsampled)
 
     def __init__(self, span):
         self.span = span
@@ -912,7 +1012,7 @@ class _FastReq(_Req):
 
     __slots__ = ("ctx", "events", "id_attr", "page_size", "start_time", "status", "tracer")
 
-    def __init__(self, tracer: _FastTracer, id_attr, page_size: int):
+    def __init__(self, tracer: _FastTracer, id_attr, page_size: int, tid: int = 0, sid: int = 0):
         # ``span`` is left unset: nothing reads it (the methods below replace _Req's).
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
@@ -922,18 +1022,8 @@ class _FastReq(_Req):
         self.tracer = tracer
         self.id_attr = id_attr
         self.page_size = page_size
-        rand = tracer.rand
-        if rand is not None:  # RandomIdGenerator's two calls, inlined (the same draws, in the same order)
-            tid = rand(128)
-            while not tid:
-                tid = rand(128)
-            sid = rand(64)
-            while not sid:
-                sid = rand(64)
-        else:
-            ids = tracer.ids
-            tid = ids.generate_trace_id()  # _FastSpan's order: the trace id, then the span id
-            sid = ids.generate_span_id()
+        if not tid:  # else drawn by the caller (a sampling decision read the trace id)
+            tid, sid = tracer.new_ids()
         # What SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED) builds (see _FastSpan.get_span_context).
         valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
         self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
@@ -1025,6 +1115,39 @@ class _FastReq(_Req):
         )
 
 
+class _Unsampled(_Req):
+    """A request whose span the fast path's sampler dropped: its context (ids drawn, not sampled) and the record's
+    counters, and nothing else. No span is built, no event kept, nothing handed to the processor; the handlers
+    skip the span events' attributes for it. ``trace_id_for`` gives None for it (see ``_trace_hex``); a violation
+    span in its trace after its release is decided by the sampler against this context (ParentBased: dropped)."""
+
+    __slots__ = ("ctx",)
+    sampled = False
+
+    def __init__(self, tid: int, sid: int):
+        self.allocated = self.committed = self.evicted = 0
+        self.cur_allocated = self.cur_committed = 0
+        self.decode_steps = self.n_events = self.dropped = self.violations = 0
+        self.mark = 0
+        valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
+        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _NOT_SAMPLED, DEFAULT_TRACE_STATE, valid))
+
+    def add_event(self, name: str, attrs: dict) -> None:
+        pass
+
+    def set_status(self, status: Status) -> None:
+        pass
+
+    def context(self) -> SpanContext:
+        return self.ctx
+
+    def release(self, attrs: dict | None, held: int, peak: int) -> SpanContext:
+        return self.ctx
+
+    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> None:
+        pass
+
+
 class OtelExporter:
     """Subscribe to ``alloc``'s events and trace its requests. See the module docstring for the contract."""
 
@@ -1092,6 +1215,11 @@ class OtelExporter:
         self._provider = tracer_provider
         self._tracer = tracer_provider.get_tracer(TRACER_NAME)
         self._fast = self._fast_tracer()
+        # Tracing that can produce no span (the SDK disabled: a no-op tracer; our provider's sampler dropping every
+        # span of ours): the exporter then subscribes to nothing and costs the engine nothing.
+        self._off = isinstance(self._tracer, trace.NoOpTracer) or (
+            self._fast is not None and self._fast.decide is not None and _samples_nothing(tracer_provider.sampler)
+        )
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
@@ -1127,8 +1255,11 @@ class OtelExporter:
             ev.RequestReleased: self._on_released,
             ev.ViolationEvent: self._on_violation,
         }
-        alloc.trace_id_for = self.trace_id_for
-        alloc.subscribe(self)
+        if self._off:
+            self._handlers = {}  # a batch handed over directly is read and produces nothing
+        else:
+            alloc.trace_id_for = self.trace_id_for
+            alloc.subscribe(self)
         if self._counting is not None:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
             alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
@@ -1153,13 +1284,15 @@ class OtelExporter:
 
     def _fast_tracer(self) -> _FastTracer | None:
         """Spans as ``_FastSpan`` records when they would come out the same as the SDK's: our own provider, enabled
-        (not ``OTEL_SDK_DISABLED``), sampling every span (``OTEL_TRACES_SAMPLER`` unset, ``parentbased_always_on``
-        or ``always_on``; a violation span's parent is always one of our sampled spans) and limits that trim
-        nothing of ours. Otherwise None: the SDK's spans, which apply the sampler and limits."""
+        (not ``OTEL_SDK_DISABLED``), a sampler whose decision ``_sampling_decision`` makes exactly (any that
+        ``OTEL_TRACES_SAMPLER`` names) and limits that trim nothing of ours. Otherwise None: the SDK's spans, which
+        apply the sampler and limits."""
         limits = self._limits
         if not self._owns_provider or limits is None or type(self._tracer) is not Tracer:
             return None
-        if self._provider.sampler not in (sampling.DEFAULT_ON, sampling.ALWAYS_ON):
+        sampler = self._provider.sampler
+        decide = _sampling_decision(sampler)
+        if decide is None:
             return None
         if limits.max_attribute_length is not None or limits.max_span_attribute_length is not None:
             return None
@@ -1168,7 +1301,9 @@ class OtelExporter:
                 return None
         if limits.max_events is not None and limits.max_events < self._max_events:
             return None
-        return _FastTracer(self._provider, self._counting)
+        # Every span sampled: no decision to make per span (our spans' parents are our own sampled spans).
+        every = sampler is sampling.DEFAULT_ON or sampler is sampling.ALWAYS_ON
+        return _FastTracer(self._provider, self._counting, None if every else decide)
 
     # -- public -----------------------------------------------------------------------------------------------
     @property
@@ -1187,7 +1322,10 @@ class OtelExporter:
 
     def trace_id_for(self, rid) -> str | None:
         """The trace id (32 hex digits) of ``rid``'s span; opens it when the request is live and has none yet
-        (the violation is raised by the request's first call, before this sink saw its allocation)."""
+        (the violation is raised by the request's first call, before this sink saw its allocation). None for a
+        span the sampler dropped, and always when tracing is off (no span can be produced)."""
+        if self._off:
+            return None
         with self._lock:
             r = self._open.get(rid)
             if r is not None:
@@ -1271,8 +1409,16 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        if self._fast is not None:
-            r = _FastReq(self._fast, self._id_attr(rid), self._ps)
+        fast = self._fast
+        if fast is not None:
+            if fast.decide is None:
+                r = _FastReq(fast, self._id_attr(rid), self._ps)
+            else:
+                tid, sid = fast.new_ids()
+                if fast.decide(None, tid):
+                    r = _FastReq(fast, self._id_attr(rid), self._ps, tid, sid)
+                else:
+                    r = _Unsampled(tid, sid)
         else:
             r = _Req(
                 self._tracer.start_span(
@@ -1446,6 +1592,8 @@ class OtelExporter:
             if op == "alloc" and exact and delta[0] == 1 and delta[2] > 0:
                 r.decode_steps += 1
                 continue
+            if not r.sampled:
+                continue  # no span: no event to build
             attrs = {"kv.op": op, "kv.step": e.step}
             if exact:
                 attrs["kv.n_slots"] = delta[0]
@@ -1491,6 +1639,8 @@ class OtelExporter:
             if self._dec is not None:
                 self._flush_decode()
             r = self._start(e.rid)
+        if not r.sampled:
+            return
         attrs = {
             "kv.swa_evicted_seqlen.old": e.old,
             "kv.swa_evicted_seqlen.new": e.new,
@@ -1506,6 +1656,12 @@ class OtelExporter:
         if r is None:
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
+        if not r.sampled:  # no span to end (nothing of it in ``later`` either); its context, for later violations
+            ended = self._ended
+            ended[e.rid] = r.ctx
+            if len(ended) > _RECENT_ENDED:
+                ended.popitem(last=False)
+            return
         if later:  # this batch's earlier events first, then the release in its reserved place
             for item in later:
                 if item[0] is r:
@@ -1545,7 +1701,8 @@ class OtelExporter:
             r.violations += 1
             if r.violations == 1:
                 r.set_status(Status(StatusCode.ERROR, f"{v.invariant}: {message}"))
-            later.append((r, EV_VIOLATION, attrs))
+            if r.sampled:
+                later.append((r, EV_VIOLATION, attrs))
             return
         ctx = None
         if rid is not None:
@@ -1553,6 +1710,8 @@ class OtelExporter:
             ctx = self._ended.get(rid)
         if self._fast is not None:
             span = self._fast.start_span(SPAN_VIOLATION, dict(attrs), ctx)  # its own dict: the event keeps attrs
+            if span is None:
+                return  # the sampler dropped it
         else:
             parent = Context() if ctx is None else trace.set_span_in_context(NonRecordingSpan(ctx), Context())
             span = self._tracer.start_span(SPAN_VIOLATION, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)

@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -1040,25 +1042,35 @@ def test_fast_path_spans_equal_the_sdk_spans(otel_env):
     [
         ({}, True, 8),
         ({"OTEL_TRACES_SAMPLER": "always_on"}, True, 8),
-        ({"OTEL_TRACES_SAMPLER": "always_off"}, False, 0),
-        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, False, 0),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, False, 0),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, False, 8),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, True, 0),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, True, 0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, True, 0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8),
         ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12"}, False, 8),
         ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4"}, False, 8),
         ({"OTEL_SDK_DISABLED": "true"}, False, 0),
     ],
 )
-def test_own_provider_takes_the_sdk_path_unless_every_span_is_sampled_untrimmed(otel_env, env, fast, n_spans):
-    """Our own provider's spans skip the SDK only under its default sampler (or always_on) and limits that trim
-    nothing of ours; any other sampler, limit or a disabled SDK gets the SDK's spans and their behaviour."""
+def test_own_provider_takes_the_sdk_path_unless_its_sampler_is_the_sdks_and_limits_trim_nothing(
+    otel_env, env, fast, n_spans
+):
+    """Our own provider's spans skip the SDK under any sampler ``OTEL_TRACES_SAMPLER`` names (the fast path makes
+    the same decisions: see the sampling tests below) and limits that trim nothing of ours; a limit that trims or a
+    disabled SDK gets the SDK's spans and their behaviour. Tracing that can produce no span (every span dropped, or
+    the SDK disabled) subscribes to nothing: the wrapper then builds no event at all."""
     for k, v in env.items():
         otel_env.setenv(k, v)
     mem = InMemorySpanExporter()
     w = _swa_alloc()
     exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
     assert (exp._fast is not None) is fast
-    _equivalence_scenario(w, exp)
+    assert (exp in w.bus.sinks) is (n_spans > 0)
+    assert w.bus.active is (n_spans > 0)
+    ids = _equivalence_scenario(w, exp)
+    if not n_spans:
+        assert set(ids.values()) == {None} and exp.open_requests == 0
+        assert w.violations and {v.trace_id for v in w.violations} == {None}
     assert exp.shutdown(timeout_millis=5000)
     spans = mem.get_finished_spans()
     assert len(spans) == n_spans
@@ -1079,6 +1091,193 @@ def test_own_provider_takes_the_sdk_path_unless_every_span_is_sampled_untrimmed(
             "free frees [62] (1 pages) never handed out since clear()",
             "free frees [6] (1 pages) that are not in use (page 6 is free)",
         ]
+
+
+def _sdk_samplers():
+    from opentelemetry.sdk.trace import sampling as smp
+
+    return {
+        "always_on": smp.ALWAYS_ON,
+        "always_off": smp.ALWAYS_OFF,
+        "parentbased_always_on": smp.DEFAULT_ON,
+        "parentbased_always_off": smp.DEFAULT_OFF,
+        "traceidratio 0.3": smp.TraceIdRatioBased(0.3),
+        "traceidratio 0": smp.TraceIdRatioBased(0.0),
+        "traceidratio 1": smp.TraceIdRatioBased(1.0),
+        "parentbased_traceidratio 0.3": smp.ParentBasedTraceIdRatio(0.3),
+        # Delegates other than the defaults: a dropped parent's children sampled, a sampled one's by ratio.
+        "parentbased inverted": smp.ParentBased(
+            smp.TraceIdRatioBased(0.5),
+            local_parent_sampled=smp.TraceIdRatioBased(0.2),
+            local_parent_not_sampled=smp.ALWAYS_ON,
+        ),
+        "parentbased of parentbased": smp.ParentBased(smp.ParentBasedTraceIdRatio(0.7)),
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(_sdk_samplers())),
+    trace_id=st.one_of(
+        st.integers(1, 2**128 - 1),
+        # Around the ratio bounds, in the low 64 bits the SDK compares.
+        st.builds(lambda hi, lo: hi << 64 | lo, st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63, 2**64 - 1])),
+        st.builds(
+            lambda hi, r, d: hi << 64 | max(0, min(2**64 - 1, round(r * 2**64) + d)),
+            st.integers(0, 2**64 - 1),
+            st.sampled_from([0.2, 0.3, 0.5, 0.7]),
+            st.integers(-2, 2),
+        ),
+    ),
+    parent=st.sampled_from([None, True, False]),
+)
+def test_sampling_decision_is_the_samplers(name, trace_id, parent):
+    """The fast path's decision for a span of ours (a root, or a child of a local sampled or dropped span) is what
+    the SDK sampler's ``should_sample`` decides for it, for every sampler ``OTEL_TRACES_SAMPLER`` can build and
+    parent-based ones with other delegates; ``_samples_nothing`` holds exactly when no root is sampled and no child
+    of a dropped parent is."""
+    from opentelemetry.context import Context
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    from exporters.otel import _samples_nothing, _sampling_decision
+
+    sampler = _sdk_samplers()[name]
+    decide = _sampling_decision(sampler)
+    assert decide is not None
+    if parent is None:
+        context = Context()
+    else:
+        flags = TraceFlags(TraceFlags.SAMPLED if parent else TraceFlags.DEFAULT)
+        pctx = SpanContext(trace_id, 0x1234, is_remote=False, trace_flags=flags)
+        context = set_span_in_context(NonRecordingSpan(pctx), Context())
+    want = sampler.should_sample(context, trace_id, "kv.request").decision.is_sampled()
+    assert decide(parent, trace_id) is want
+    nothing = name in ("always_off", "parentbased_always_off", "traceidratio 0")
+    assert _samples_nothing(sampler) is nothing
+    if nothing and parent is not True:  # a sampled parent of ours never exists under such a sampler
+        assert want is False
+
+
+def test_samplers_the_fast_path_does_not_know_take_the_sdk_path(otel_env):
+    """A sampler whose decision the fast path cannot make exactly (RECORD_ONLY, a subclass overriding
+    ``should_sample``, a parent-based one over such a root) gets the SDK's spans: ``_sampling_decision`` is None."""
+    from opentelemetry.sdk.trace import sampling as smp
+
+    from exporters.otel import _sampling_decision
+
+    class Odd(smp.TraceIdRatioBased):
+        def should_sample(self, *args, **kwargs):
+            return smp.SamplingResult(smp.Decision.RECORD_AND_SAMPLE)
+
+    for sampler in (
+        smp.StaticSampler(smp.Decision.RECORD_ONLY),
+        Odd(0.5),
+        smp.ParentBased(Odd(0.5)),
+        smp.ParentBased(smp.ALWAYS_ON, local_parent_not_sampled=smp.StaticSampler(smp.Decision.RECORD_ONLY)),
+    ):
+        assert _sampling_decision(sampler) is None
+
+
+def _scenario_spans(exporter_of, seed: int) -> tuple[list, dict, list]:
+    """The equivalence scenario with the global random source seeded first (the SDK's RandomIdGenerator draws from
+    it; so does the fast path, in the same order): its spans with their ids, trace_id_for of each request, and the
+    trace ids the violations carry."""
+    import random
+
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    random.seed(seed)
+    exp = exporter_of(w, mem)
+    ids = _equivalence_scenario(w, exp)
+    assert exp.shutdown(timeout_millis=5000)
+    assert exp.errors == 0 and exp.spans_dropped == 0
+    spans = sorted(
+        (
+            s.name,
+            format(s.context.trace_id, "032x"),
+            s.context.span_id,
+            None if s.parent is None else (s.parent.trace_id, s.parent.span_id),
+            tuple(sorted(dict(s.attributes).items())),
+            tuple((e.name, tuple(sorted(dict(e.attributes).items()))) for e in s.events),
+            s.status.status_code.name,
+            s.status.description,
+        )
+        for s in mem.get_finished_spans()
+    )
+    assert all(s.context.trace_flags.sampled for s in mem.get_finished_spans())
+    return spans, ids, [v.trace_id for v in w.violations]
+
+
+@pytest.mark.parametrize(
+    "env_sampler, arg",
+    [("traceidratio", "0.5"), ("parentbased_traceidratio", "0.5"), ("parentbased_traceidratio", "0.25")],
+)
+def test_sampled_spans_are_the_sdks_ids_included(otel_env, env_sampler, arg):
+    """Under a ratio sampler, the fast path and the SDK's spans (a provider passed in, the same sampler) from the
+    same random source: the same spans kept, the same trace and span ids, parents, attributes and events; the same
+    ``trace_id_for`` (None for a request whose span was dropped) and the same trace ids on the violations. Across
+    the seeds, some requests are sampled and some dropped, and a dropped request's violation carries no trace id."""
+    from opentelemetry.sdk.trace import sampling as smp
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", env_sampler)
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    sdk_sampler = smp._get_from_env_or_default()
+
+    def fast(w, mem):
+        exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
+        assert exp._fast is not None and exp._fast.decide is not None and not exp._off
+        return exp
+
+    def sdk(w, mem):
+        provider = TracerProvider(sampler=sdk_sampler)
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        exp = OtelExporter(w, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
+        assert exp._fast is None
+        return exp
+
+    kept = dropped = 0
+    for seed in range(12):
+        got = _scenario_spans(fast, seed)
+        assert got == _scenario_spans(sdk, seed)
+        spans, ids, violation_traces = got
+        kept += sum(x is not None for x in ids.values())
+        dropped += sum(x is None for x in ids.values())
+        requests = {s[4][[k for k, _ in s[4]].index("kv.request.id")][1]: s[1] for s in spans if s[0] == "kv.request"}
+        assert sorted(requests.values()) == sorted(x for x in ids.values() if x is not None)
+        assert set(violation_traces) <= set(ids.values()) | {s[1] for s in spans} | {None}
+    assert kept >= 10 and dropped >= 10  # both outcomes, many times (60 requests)
+
+
+def test_dropped_requests_cost_no_span_and_count_as_no_loss(otel_env):
+    """Requests the sampler dropped: no span, no ``kv.request`` export, ``trace_id_for`` None, and nothing counted
+    as dropped; their records still close at their release (no open request is left behind)."""
+    import random
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    mem = InMemorySpanExporter()
+    w = paged(size=256)
+    random.seed(7)
+    exp = OtelExporter(w, span_exporter=mem)
+    reqs = [Req(f"r{i}") for i in range(16)]
+    extend(w, reqs, [5] * 16)
+    for _ in range(3):
+        decode(w, reqs)
+        w.step()
+    traces = {r.rid: exp.trace_id_for(r.rid) for r in reqs}
+    for r in reqs:
+        w.free(t(r.row))
+        w.release_request(r.rid)
+    assert exp.open_requests == 0
+    assert exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    sampled = {rid for rid, x in traces.items() if x is not None}
+    assert 0 < len(sampled) < 16
+    assert sorted(s.attributes["kv.request.id"] for s in spans) == sorted(sampled)
+    for s in spans:
+        assert format(s.context.trace_id, "032x") == traces[s.attributes["kv.request.id"]]
+        assert s.attributes["kv.decode_steps"] == 3 and s.attributes["kv.allocated_len"] == 8
+    assert exp.spans_dropped == 0 and w.bus.dropped.get("otel", 0) == 0 and exp.errors == 0
 
 
 def test_span_exporter_argument_checks(otel_env):
@@ -1583,16 +1782,22 @@ class _EveryKind:
         return None
 
 
-def _demo_spans(preset, page_size, seed, inject, verify, variant, steps=300) -> tuple[list, list]:
+def _demo_spans(preset, page_size, seed, inject, verify, variant, steps=300, sampler=None) -> tuple[list, list]:
     """The spans of a faulted demo run, without ids or times (a parent named by its request id), sorted; and
     the run's violation ids. ``variant``: "fast" (our provider, the exporter alone), "every-kind" (the same beside
-    a sink that reads every kind) or "sdk" (a provider passed in: the SDK's spans)."""
+    a sink that reads every kind) or "sdk" (a provider passed in: the SDK's spans). ``sampler``: the SDK sampler
+    the provider passed in gets (our own provider reads OTEL_TRACES_SAMPLER: set it to the same); the ids are then
+    drawn from the global random source seeded with ``seed``, so that both paths draw the same ids."""
+    import random
+
     from instrumented_alloc.sim import build_engine
 
     e = build_engine(preset, seed=seed, page_size=page_size, inject=inject, steps=steps, verify=verify)
     mem = InMemorySpanExporter()
+    if sampler is not None:
+        random.seed(seed)
     if variant == "sdk":
-        provider = TracerProvider()
+        provider = TracerProvider() if sampler is None else TracerProvider(sampler=sampler)
         provider.add_span_processor(SimpleSpanProcessor(mem))
         exporter = OtelExporter(e.alloc, tracer_provider=provider)
         assert exporter._fast is None
@@ -1643,3 +1848,88 @@ def test_demo_spans_are_the_same_on_every_path(preset, page_size, seed, inject, 
         other, other_violations = _demo_spans(preset, page_size, seed, inject, verify, variant)
         assert other_violations == violations
         assert other == fast
+
+
+@pytest.mark.parametrize(
+    "preset, page_size, seed, inject, verify",
+    [
+        ("swa-128", None, 2, ("double-free@60", "swa-misaligned@120"), "immediate"),
+        ("dense", 64, 5, ("double-free@30", "leak@100"), "deferred"),
+    ],
+)
+def test_demo_spans_under_a_ratio_sampler_are_the_sdks(otel_env, preset, page_size, seed, inject, verify):
+    """Faulted demo runs under ``parentbased_traceidratio`` 0.3: the fast path keeps the same requests' spans as
+    the SDK's spans under the same sampler and ids, with the same content; about the sampled share of them, each
+    equal to that request's span when every request is traced."""
+    from opentelemetry.sdk.trace import sampling as smp
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.3")
+    sampler = smp._get_from_env_or_default()
+    fast, violations = _demo_spans(preset, page_size, seed, inject, verify, "fast", sampler=sampler)
+    sdk, sdk_violations = _demo_spans(preset, page_size, seed, inject, verify, "sdk", sampler=sampler)
+    assert sdk_violations == violations and violations
+    assert sdk == fast
+    otel_env.delenv("OTEL_TRACES_SAMPLER")
+    everything, _ = _demo_spans(preset, page_size, seed, inject, verify, "fast")
+    n_all = sum(s[0] == "kv.request" for s in everything)
+    n_kept = sum(s[0] == "kv.request" for s in fast)
+    assert n_all >= 50 and 0.1 * n_all < n_kept < 0.5 * n_all
+    # A kept span is the span the request gets when everything is traced (its content does not depend on sampling).
+    from collections import Counter
+
+    assert not Counter(fast) - Counter(everything)
+
+
+def test_exemplars_link_sampled_traces_only(otel_env):
+    """The OTel exporter under a ratio sampler beside the Prometheus exporter: a violation of a traced request
+    carries its trace id and the violation counter's exemplar names it; one of a dropped request carries none,
+    and its series has no exemplar (its trace is never exported)."""
+    import random
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+    from exporters.prometheus import PrometheusExporter
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    for seed in range(64):  # a seed under which the first request is traced and the second is not
+        w = paged(size=64)
+        mem = InMemorySpanExporter()
+        random.seed(seed)
+        exp = OtelExporter(w, span_exporter=mem)
+        prom = PrometheusExporter(w, registry=CollectorRegistry())
+        a, b = Req("a"), Req("b")
+        extend(w, [a, b], [5, 6])
+        traced = exp.trace_id_for("a")
+        if traced is not None and exp.trace_id_for("b") is None:
+            break
+        prom.close()
+        exp.shutdown(timeout_millis=5000)
+    else:
+        pytest.fail("no seed of 64 traced a and dropped b")
+    w.free(t(a.row[:4]))
+    w.free(t(a.row[:4]))  # double_free, named after a
+    w.release_request("b")  # b still holds its pages: request_leak, named after b
+    assert [(v.invariant, v.rid, v.trace_id) for v in w.violations] == [
+        ("double_free", "a", traced),
+        ("request_leak", "b", None),
+    ]
+    text = generate_openmetrics(prom.registry).decode()
+    series = {
+        inv: [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("kvalloc_invariant_violations_total{") and f'invariant="{inv}"' in ln
+        ]
+        for inv in ("double_free", "request_leak")
+    }
+    assert len(series["double_free"]) == 1 and f'# {{trace_id="{traced}"}} 1.0' in series["double_free"][0]
+    assert len(series["request_leak"]) == 1 and "#" not in series["request_leak"][0]
+    assert series["request_leak"][0].endswith(" 1.0")
+    prom.close()
+    assert exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    assert [(s.name, s.attributes["kv.request.id"]) for s in spans if s.name == "kv.request"] == [("kv.request", "a")]
+    assert format(spans[0].context.trace_id, "032x") == traced
