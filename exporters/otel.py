@@ -3,12 +3,15 @@
 Usage::
 
     exporter = OtelExporter(alloc)            # OTLP/HTTP, configured by the standard OTEL_* variables
+    exporter.set_parent(rid, headers)         # optional, per request, before its first allocation: the
+                                              # engine's span of it (W3C traceparent/tracestate, or a context)
     ...                                       # the engine runs; spans are exported in the background
     exporter.shutdown(timeout_millis=5000)    # ends still-open request spans, exports what it can in time
 
 What is traced
-- ``kv.request`` (one per request, a root span): starts at the first event naming the request (its first
-  allocation, or a violation raised by that very call), ends at ``alloc.release_request(rid)``. Attributes:
+- ``kv.request`` (one per request; a root span, or a child of the engine's own span of the request when the
+  engine names it with ``set_parent``, in the engine's trace): starts at the first event naming the request (its
+  first allocation, or a violation raised by that very call), ends at ``alloc.release_request(rid)``. Attributes:
   ``kv.request.id``, ``kv.page_size``; set at the end: ``kv.allocated_len``, ``kv.committed_len``,
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
   frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
@@ -127,6 +130,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
@@ -140,6 +144,7 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from instrumented_alloc import events as ev
@@ -183,6 +188,9 @@ _LEDGER_FIELDS = {
 _RECENT_ENDED = 4096
 _NONES = itertools.repeat(None)  # slots not read: no skipped free to look up
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
+# Parents named by set_parent that wait for their request's first allocation, at most.
+_MAX_PARENTS = 65536
+_W3C = TraceContextTextMapPropagator()
 # The most attributes a span (11) or an event (8) of ours carries, with room: span limits below this (set by
 # OTEL_*_ATTRIBUTE_COUNT_LIMIT) are left to the SDK's spans to apply, so the fast path never needs to trim.
 _FAST_MIN_ATTRIBUTES = 16
@@ -203,15 +211,34 @@ def _trace_hex(ctx) -> str | None:
     return format(ctx.trace_id, "032x")
 
 
+def _parent_context(parent) -> SpanContext | None:
+    """``OtelExporter.set_parent``'s ``parent`` as a valid ``SpanContext``, or None (None, or no valid context)."""
+    if parent is None:
+        return None
+    if isinstance(parent, SpanContext):
+        ctx = parent
+    elif isinstance(parent, trace.Span):
+        ctx = parent.get_span_context()
+    elif isinstance(parent, Context):
+        ctx = trace.get_current_span(parent).get_span_context()
+    elif isinstance(parent, Mapping):
+        ctx = trace.get_current_span(_W3C.extract(parent)).get_span_context()
+    else:
+        raise TypeError(
+            "set_parent: expected a SpanContext, a Span, a Context or a W3C trace-context carrier (a mapping with "
+            f"'traceparent'), got {type(parent).__name__}"
+        )
+    return ctx if ctx is not None and ctx.is_valid else None
+
+
 def _sampling_decision(sampler):
-    """``decide(parent, trace_id) -> bool``: whether ``sampler.should_sample`` samples one of our spans, with
-    ``parent`` None for a root span (every request span, and a violation span naming no ended request) or the
-    sampled flag of the local, valid parent (an ended request span's context: a violation span in its trace).
+    """``decide(parent, trace_id) -> bool``: whether ``sampler.should_sample`` samples a span of ours whose parent
+    is ``parent`` (a valid ``SpanContext``, local or remote, or None for a root span) and trace id ``trace_id``.
     Exact for the SDK's own samplers as their classes define them (``StaticSampler`` deciding DROP or
     RECORD_AND_SAMPLE: ALWAYS_OFF/ALWAYS_ON; ``TraceIdRatioBased``; ``ParentBased`` and
-    ``ParentBasedTraceIdRatio`` over such samplers): what every ``OTEL_TRACES_SAMPLER`` value builds. None for
-    anything else (a subclass that overrides ``should_sample``, RECORD_ONLY, another sampler): the SDK's spans
-    then apply it. Remote parents never occur (our spans' parents are our own), so their delegates are not read."""
+    ``ParentBasedTraceIdRatio`` over such samplers, with any such delegates): what every ``OTEL_TRACES_SAMPLER``
+    value builds. None for anything else (a subclass that overrides ``should_sample``, RECORD_ONLY, another
+    sampler): the SDK's spans then apply it."""
     should = getattr(type(sampler), "should_sample", None)
     if isinstance(sampler, sampling.StaticSampler) and should is sampling.StaticSampler.should_sample:
         decision = getattr(sampler, "_decision", None)
@@ -224,32 +251,43 @@ def _sampling_decision(sampler):
         bound, limit = sampler.bound, sampler.TRACE_ID_LIMIT
         return lambda parent, trace_id: trace_id & limit < bound
     if isinstance(sampler, sampling.ParentBased) and should is sampling.ParentBased.should_sample:
-        root, on_sampled, on_unsampled = (
-            _sampling_decision(getattr(sampler, name, None))
-            for name in ("_root", "_local_parent_sampled", "_local_parent_not_sampled")
+        names = (
+            "_root",
+            "_local_parent_sampled",
+            "_local_parent_not_sampled",
+            "_remote_parent_sampled",
+            "_remote_parent_not_sampled",
         )
-        if root is None or on_sampled is None or on_unsampled is None:
+        parts = [_sampling_decision(getattr(sampler, name, None)) for name in names]
+        if None in parts:
             return None
+        root, local_sampled, local_unsampled, remote_sampled, remote_unsampled = parts
 
         def decide(parent, trace_id):
-            if parent is None:
+            if parent is None or not parent.is_valid:
                 return root(None, trace_id)
-            return (on_sampled if parent else on_unsampled)(parent, trace_id)
+            if parent.is_remote:
+                d = remote_sampled if parent.trace_flags.sampled else remote_unsampled
+            else:
+                d = local_sampled if parent.trace_flags.sampled else local_unsampled
+            return d(parent, trace_id)
 
         return decide
     return None
 
 
 def _samples_nothing(sampler) -> bool:
-    """Whether ``sampler`` (one ``_sampling_decision`` reads) drops every span of ours: each root span, and each
-    child of a dropped span (all our parents would be dropped ones)."""
+    """Whether ``sampler`` (one ``_sampling_decision`` reads) drops every span of ours: each root span, each child of
+    an engine's span handed to ``OtelExporter.set_parent`` (a remote parent, sampled or not) and each child of a
+    dropped span (all our own parents would be dropped ones)."""
     if isinstance(sampler, sampling.StaticSampler):
         return getattr(sampler, "_decision", None) is sampling.Decision.DROP
     if isinstance(sampler, sampling.TraceIdRatioBased):
         return sampler.bound <= 0
     if isinstance(sampler, sampling.ParentBased):
-        return _samples_nothing(getattr(sampler, "_root", None)) and _samples_nothing(
-            getattr(sampler, "_local_parent_not_sampled", None)
+        return all(
+            _samples_nothing(getattr(sampler, name, None))
+            for name in ("_root", "_local_parent_not_sampled", "_remote_parent_sampled", "_remote_parent_not_sampled")
         )
     return False
 
@@ -715,13 +753,15 @@ class _OtlpSpanExporter(OTLPSpanExporter):
 
 class _FastTracer:
     """What ``_FastSpan`` needs from our own provider: its id generator, resource, our processor and the scope, and
-    its sampler's decision (``decide``, see ``_sampling_decision``; None: every span of ours is sampled)."""
+    its sampler's decision (``decide``, see ``_sampling_decision``); ``roots``: the same for a root span, or None
+    when every root span is sampled (no decision to make: the usual case)."""
 
-    __slots__ = ("decide", "ids", "processor", "provider", "rand", "resource", "scope")
+    __slots__ = ("decide", "ids", "processor", "provider", "rand", "resource", "roots", "scope")
 
-    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor, decide=None):
+    def __init__(self, provider: TracerProvider, processor: CountingBatchSpanProcessor, decide, roots):
         self.provider = provider
         self.decide = decide
+        self.roots = roots
         self.resource = provider.resource
         self.ids = provider.id_generator
         # The SDK's RandomIdGenerator draws random.getrandbits(128) / (64) until non-zero: new_ids draws the same
@@ -746,15 +786,30 @@ class _FastTracer:
             sid = rand(64)
         return tid, sid
 
+    def new_span_id(self) -> int:
+        """A span id alone (a child's: its trace id is the parent's), as ``new_ids`` draws it."""
+        rand = self.rand
+        if rand is None:
+            return self.ids.generate_span_id()
+        sid = rand(64)
+        while not sid:
+            sid = rand(64)
+        return sid
+
     def start_span(self, name: str, attributes: dict, parent: SpanContext | None = None) -> _FastSpan | None:
         """A span, or None when the sampler drops it (its ids drawn all the same, as the SDK draws them for the
         non-recording span it returns then: the id sequence does not depend on the decisions)."""
-        decide = self.decide
-        if decide is None:
-            return _FastSpan(self, name, attributes, parent)
         ids = self.ids
-        tid = ids.generate_trace_id() if parent is None else parent.trace_id
-        if decide(None if parent is None else bool(parent.trace_flags.sampled), tid):
+        if parent is None:
+            roots = self.roots
+            if roots is None:
+                return _FastSpan(self, name, attributes, None)
+            tid = ids.generate_trace_id()
+            sampled = roots(None, tid)
+        else:
+            tid = parent.trace_id
+            sampled = self.decide(parent, tid)
+        if sampled:
             return _FastSpan(self, name, attributes, parent, tid)
         ids.generate_span_id()
         return None
@@ -889,7 +944,9 @@ class _FastSpan:
             # defaults handling (is_valid computed the same way).
             tid, sid = self.trace_id, self.span_id
             valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
-            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
+            # A child carries its parent's trace state, as the SDK's samplers hand it on.
+            state = DEFAULT_TRACE_STATE if self.parent is None else self.parent.trace_state
+            ctx = self._ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, state, valid))
         return ctx
 
     def is_recording(self) -> bool:
@@ -1010,9 +1067,9 @@ class _FastReq(_Req):
     dict and its ``ReadableSpan`` at the end (no span object lives in between). ``span`` is None. Not thread-safe:
     used under the exporter's lock; finished once (the exporter drops it from its open requests as it does)."""
 
-    __slots__ = ("ctx", "events", "id_attr", "page_size", "start_time", "status", "tracer")
+    __slots__ = ("ctx", "events", "id_attr", "page_size", "parent", "start_time", "status", "tracer")
 
-    def __init__(self, tracer: _FastTracer, id_attr, page_size: int, tid: int = 0, sid: int = 0):
+    def __init__(self, tracer: _FastTracer, id_attr, page_size: int, tid: int = 0, sid: int = 0, parent=None):
         # ``span`` is left unset: nothing reads it (the methods below replace _Req's).
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
@@ -1024,9 +1081,11 @@ class _FastReq(_Req):
         self.page_size = page_size
         if not tid:  # else drawn by the caller (a sampling decision read the trace id)
             tid, sid = tracer.new_ids()
+        self.parent = parent  # the engine's span of the request (set_parent), or None: a root span
         # What SpanContext(tid, sid, is_remote=False, trace_flags=_SAMPLED) builds (see _FastSpan.get_span_context).
         valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
-        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, DEFAULT_TRACE_STATE, valid))
+        state = DEFAULT_TRACE_STATE if parent is None else parent.trace_state
+        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _SAMPLED, state, valid))
         self.events: list = []
         self.status = _UNSET
         self.start_time = time.time_ns()
@@ -1052,7 +1111,7 @@ class _FastReq(_Req):
             _make_readable(
                 SPAN_REQUEST,
                 self.ctx,
-                None,
+                self.parent,
                 tracer.resource,
                 {
                     "kv.request.id": self.id_attr,
@@ -1100,7 +1159,7 @@ class _FastReq(_Req):
             _make_readable(
                 SPAN_REQUEST,
                 self.ctx,
-                None,  # a root span
+                self.parent,
                 tracer.resource,
                 attrs,
                 self.events,
@@ -1119,18 +1178,19 @@ class _Unsampled(_Req):
     """A request whose span the fast path's sampler dropped: its context (ids drawn, not sampled) and the record's
     counters, and nothing else. No span is built, no event kept, nothing handed to the processor; the handlers
     skip the span events' attributes for it. ``trace_id_for`` gives None for it (see ``_trace_hex``); a violation
-    span in its trace after its release is decided by the sampler against this context (ParentBased: dropped)."""
+    span in its trace after its release is decided by the sampler against this context (ParentBased: dropped).
+    A child of the engine's span (``set_parent``) keeps that span's trace id and trace state."""
 
     __slots__ = ("ctx",)
     sampled = False
 
-    def __init__(self, tid: int, sid: int):
+    def __init__(self, tid: int, sid: int, trace_state=DEFAULT_TRACE_STATE):
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
         self.mark = 0
         valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
-        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _NOT_SAMPLED, DEFAULT_TRACE_STATE, valid))
+        self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _NOT_SAMPLED, trace_state, valid))
 
     def add_event(self, name: str, attrs: dict) -> None:
         pass
@@ -1218,11 +1278,14 @@ class OtelExporter:
         # Tracing that can produce no span (the SDK disabled: a no-op tracer; our provider's sampler dropping every
         # span of ours): the exporter then subscribes to nothing and costs the engine nothing.
         self._off = isinstance(self._tracer, trace.NoOpTracer) or (
-            self._fast is not None and self._fast.decide is not None and _samples_nothing(tracer_provider.sampler)
+            self._fast is not None and self._fast.roots is not None and _samples_nothing(tracer_provider.sampler)
         )
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
+        # rid -> the engine's SpanContext of the request (set_parent), until its span starts (or its release).
+        self._parents: OrderedDict = OrderedDict()
+        self.parents_dropped = 0
         # rid -> (committed delta, allocated delta, committed before, record), this batch
         self._pending: dict = {}
         # This batch's span events, added once its events are all handled (a prealloc's SWA tail length comes in
@@ -1301,9 +1364,9 @@ class OtelExporter:
                 return None
         if limits.max_events is not None and limits.max_events < self._max_events:
             return None
-        # Every span sampled: no decision to make per span (our spans' parents are our own sampled spans).
-        every = sampler is sampling.DEFAULT_ON or sampler is sampling.ALWAYS_ON
-        return _FastTracer(self._provider, self._counting, None if every else decide)
+        # Every root span sampled: no decision to make for one (the usual case: only a parent can say otherwise).
+        every_root = sampler is sampling.DEFAULT_ON or sampler is sampling.ALWAYS_ON
+        return _FastTracer(self._provider, self._counting, decide, None if every_root else decide)
 
     # -- public -----------------------------------------------------------------------------------------------
     @property
@@ -1319,6 +1382,45 @@ class OtelExporter:
         """Spans lost after they ended (see ``CountingBatchSpanProcessor``); 0 with a provider passed in and no
         ``counting_exporter``."""
         return 0 if self._counting is None else self._counting.dropped
+
+    def set_parent(self, rid, parent) -> bool:
+        """Make ``rid``'s ``kv.request`` span a child of the engine's own span of that request, in its trace.
+
+        ``parent``: a ``SpanContext``, a ``Span``, a ``Context`` holding a span, or a W3C trace-context carrier (a
+        mapping with a ``traceparent`` and maybe a ``tracestate`` entry: the headers SGLang's tokenizer propagates
+        with a request, ``sglang.srt.observability.trace.extract_trace_headers``; parsed here by the W3C
+        propagator, whatever the process's global propagator is). None forgets a parent set before.
+
+        Call it before the request's first allocation (its span starts there). The span then takes the parent's
+        trace id and trace state, and the sampler decides as the SDK's does for a child: a parent-based sampler
+        (the default) follows the engine's decision, remote or local, so a request the engine does not trace
+        builds no span here either. ``trace_id_for`` (and the violations' trace ids, the exemplars) then name the
+        engine's trace. Returns True when a parent was set; False when ``parent`` holds no valid span context (no
+        or a malformed ``traceparent``: the span stays a root, as the SDK treats an invalid parent) or tracing is
+        off. Raises ``TypeError`` for any other type of ``parent`` and ``ValueError`` when ``rid`` already has its
+        span (too late to move it into another trace). A parent waits for the request's first allocation: an
+        engine that drops a request before that forgets it with ``set_parent(rid, None)``. At most
+        ``_MAX_PARENTS`` wait; beyond, the oldest is forgotten (counted in ``parents_dropped``). Thread-safe (under
+        the exporter's lock); never waits on anything else."""
+        ctx = _parent_context(parent)
+        if self._off:
+            return False
+        with self._lock:
+            if rid in self._open:
+                raise ValueError(
+                    f"set_parent: request {rid!r} already has its kv.request span (it starts at the request's first "
+                    "allocation): set its parent before that"
+                )
+            parents = self._parents
+            if ctx is None:
+                parents.pop(rid, None)
+                return False
+            parents[rid] = ctx
+            parents.move_to_end(rid)
+            if len(parents) > _MAX_PARENTS:
+                parents.popitem(last=False)
+                self.parents_dropped += 1
+            return True
 
     def trace_id_for(self, rid) -> str | None:
         """The trace id (32 hex digits) of ``rid``'s span; opens it when the request is live and has none yet
@@ -1409,13 +1511,23 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
+        # The engine's span of this request (set_parent), if it named one: the span is its child, in its trace.
+        parent = self._parents.pop(rid, None) if self._parents else None
         fast = self._fast
         if fast is not None:
-            if fast.decide is None:
+            if parent is not None:
+                tid = parent.trace_id  # the SDK draws only the span id of a child, after its sampling decision
+                sampled = fast.decide(parent, tid)
+                sid = fast.new_span_id()
+                if sampled:
+                    r = _FastReq(fast, self._id_attr(rid), self._ps, tid, sid, parent)
+                else:
+                    r = _Unsampled(tid, sid, parent.trace_state)
+            elif fast.roots is None:
                 r = _FastReq(fast, self._id_attr(rid), self._ps)
             else:
                 tid, sid = fast.new_ids()
-                if fast.decide(None, tid):
+                if fast.roots(None, tid):
                     r = _FastReq(fast, self._id_attr(rid), self._ps, tid, sid)
                 else:
                     r = _Unsampled(tid, sid)
@@ -1423,7 +1535,11 @@ class OtelExporter:
             r = _Req(
                 self._tracer.start_span(
                     SPAN_REQUEST,
-                    context=Context(),  # a root span: the engine's current context is no parent of a request's KV
+                    # A root span unless the engine named its own span of the request: the engine's current context
+                    # (whatever runs at the allocator call) is no parent of a request's KV.
+                    context=Context()
+                    if parent is None
+                    else trace.set_span_in_context(NonRecordingSpan(parent), Context()),
                     kind=SpanKind.INTERNAL,
                     attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
                 )
@@ -1654,6 +1770,8 @@ class OtelExporter:
             self._flush_decode()
         r = self._open.pop(e.rid, None)
         if r is None:
+            if self._parents:
+                self._parents.pop(e.rid, None)  # a parent set for a request that never allocated
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
         if not r.sampled:  # no span to end (nothing of it in ``later`` either); its context, for later violations

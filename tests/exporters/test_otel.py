@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -1038,22 +1039,23 @@ def test_fast_path_spans_equal_the_sdk_spans(otel_env):
 
 
 @pytest.mark.parametrize(
-    "env, fast, n_spans",
+    "env, fast, n_spans, subscribed",
     [
-        ({}, True, 8),
-        ({"OTEL_TRACES_SAMPLER": "always_on"}, True, 8),
-        ({"OTEL_TRACES_SAMPLER": "always_off"}, True, 0),
-        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, True, 0),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, True, 0),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8),
-        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8),
-        ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12"}, False, 8),
-        ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4"}, False, 8),
-        ({"OTEL_SDK_DISABLED": "true"}, False, 0),
+        ({}, True, 8, True),
+        ({"OTEL_TRACES_SAMPLER": "always_on"}, True, 8, True),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, True, 0, False),
+        # No root span, but an engine's sampled span named by set_parent would have its child sampled.
+        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, True, 0, True),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, True, 0, False),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8, True),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1"}, True, 8, True),
+        ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12"}, False, 8, True),
+        ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4"}, False, 8, True),
+        ({"OTEL_SDK_DISABLED": "true"}, False, 0, False),
     ],
 )
 def test_own_provider_takes_the_sdk_path_unless_its_sampler_is_the_sdks_and_limits_trim_nothing(
-    otel_env, env, fast, n_spans
+    otel_env, env, fast, n_spans, subscribed
 ):
     """Our own provider's spans skip the SDK under any sampler ``OTEL_TRACES_SAMPLER`` names (the fast path makes
     the same decisions: see the sampling tests below) and limits that trim nothing of ours; a limit that trims or a
@@ -1065,12 +1067,14 @@ def test_own_provider_takes_the_sdk_path_unless_its_sampler_is_the_sdks_and_limi
     w = _swa_alloc()
     exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
     assert (exp._fast is not None) is fast
-    assert (exp in w.bus.sinks) is (n_spans > 0)
-    assert w.bus.active is (n_spans > 0)
+    assert (exp in w.bus.sinks) is subscribed
+    assert w.bus.active is subscribed
     ids = _equivalence_scenario(w, exp)
     if not n_spans:
-        assert set(ids.values()) == {None} and exp.open_requests == 0
+        assert set(ids.values()) == {None}
         assert w.violations and {v.trace_id for v in w.violations} == {None}
+    if not subscribed:
+        assert exp.open_requests == 0 and w.trace_id_for is None
     assert exp.shutdown(timeout_millis=5000)
     spans = mem.get_finished_spans()
     assert len(spans) == n_spans
@@ -1112,6 +1116,11 @@ def _sdk_samplers():
             local_parent_not_sampled=smp.ALWAYS_ON,
         ),
         "parentbased of parentbased": smp.ParentBased(smp.ParentBasedTraceIdRatio(0.7)),
+        "parentbased remote inverted": smp.ParentBased(
+            smp.ALWAYS_OFF,
+            remote_parent_sampled=smp.TraceIdRatioBased(0.4),
+            remote_parent_not_sampled=smp.ALWAYS_ON,
+        ),
     }
 
 
@@ -1129,13 +1138,14 @@ def _sdk_samplers():
             st.integers(-2, 2),
         ),
     ),
-    parent=st.sampled_from([None, True, False]),
+    parent=st.sampled_from([None, "local sampled", "local dropped", "remote sampled", "remote dropped", "invalid"]),
 )
 def test_sampling_decision_is_the_samplers(name, trace_id, parent):
-    """The fast path's decision for a span of ours (a root, or a child of a local sampled or dropped span) is what
-    the SDK sampler's ``should_sample`` decides for it, for every sampler ``OTEL_TRACES_SAMPLER`` can build and
-    parent-based ones with other delegates; ``_samples_nothing`` holds exactly when no root is sampled and no child
-    of a dropped parent is."""
+    """The fast path's decision for a span of ours (a root; a child of a local span, sampled or dropped: a violation
+    span of an ended request; a child of a remote span, sampled or not: the engine's span named by set_parent) is
+    what the SDK sampler's ``should_sample`` decides for it, for every sampler ``OTEL_TRACES_SAMPLER`` can build and
+    parent-based ones with other delegates; ``_samples_nothing`` holds exactly when no root is sampled, no child of
+    a remote parent and no child of a dropped parent is."""
     from opentelemetry.context import Context
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
@@ -1144,17 +1154,19 @@ def test_sampling_decision_is_the_samplers(name, trace_id, parent):
     sampler = _sdk_samplers()[name]
     decide = _sampling_decision(sampler)
     assert decide is not None
+    pctx = None
     if parent is None:
         context = Context()
     else:
-        flags = TraceFlags(TraceFlags.SAMPLED if parent else TraceFlags.DEFAULT)
-        pctx = SpanContext(trace_id, 0x1234, is_remote=False, trace_flags=flags)
+        flags = TraceFlags(TraceFlags.SAMPLED if "sampled" in parent else TraceFlags.DEFAULT)
+        span_id = 0 if parent == "invalid" else 0x1234
+        pctx = SpanContext(trace_id, span_id, is_remote=parent.startswith("remote"), trace_flags=flags)
         context = set_span_in_context(NonRecordingSpan(pctx), Context())
     want = sampler.should_sample(context, trace_id, "kv.request").decision.is_sampled()
-    assert decide(parent, trace_id) is want
-    nothing = name in ("always_off", "parentbased_always_off", "traceidratio 0")
+    assert decide(pctx, trace_id) is want
+    nothing = name in ("always_off", "traceidratio 0")
     assert _samples_nothing(sampler) is nothing
-    if nothing and parent is not True:  # a sampled parent of ours never exists under such a sampler
+    if nothing:
         assert want is False
 
 
@@ -1933,3 +1945,210 @@ def test_exemplars_link_sampled_traces_only(otel_env):
     spans = mem.get_finished_spans()
     assert [(s.name, s.attributes["kv.request.id"]) for s in spans if s.name == "kv.request"] == [("kv.request", "a")]
     assert format(spans[0].context.trace_id, "032x") == traced
+
+
+# -- 9. the engine's spans as parents (set_parent) -----------------------------------------------------------------
+ENGINE_TRACE_A = 0x0AF7651916CD43DD8448EB211C80319C
+ENGINE_TRACE_B = "4bf92f3577b34da6a3ce929d0e0e4736"
+ENGINE_TRACE_C = "5bf92f3577b34da6a3ce929d0e0e4737"
+
+
+def _engine_parents(exp) -> dict:
+    """Parents for the equivalence scenario's requests, as an engine would name them: a local sampled span with a
+    trace state ("a"); W3C carriers from another process, sampled with a trace state ("b") and not sampled ("c"); a
+    malformed carrier (42: stays a root); a Context holding a remote sampled span ("p"). Returns set_parent's
+    answers."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
+
+    a = SpanContext(
+        ENGINE_TRACE_A, 0xB7AD6B7169203331, False, TraceFlags(TraceFlags.SAMPLED), TraceState([("vendor", "a1")])
+    )
+    p = SpanContext(0x1111, 0x2222, True, TraceFlags(TraceFlags.SAMPLED))
+    return {
+        "a": exp.set_parent("a", a),
+        "b": exp.set_parent("b", {"traceparent": f"00-{ENGINE_TRACE_B}-00f067aa0ba902b7-01", "tracestate": "eng=b"}),
+        "c": exp.set_parent("c", {"traceparent": f"00-{ENGINE_TRACE_C}-00f067aa0ba902b8-00"}),
+        42: exp.set_parent(42, {"traceparent": "00-not-a-trace-01"}),
+        "p": exp.set_parent("p", set_span_in_context(NonRecordingSpan(p), Context())),
+    }
+
+
+def _parented_spans(exporter_of, seed: int) -> tuple[list, dict, dict]:
+    """The equivalence scenario with the engine's parents set first, the random source seeded: spans with ids,
+    parents (with their remote flag) and trace states; trace_id_for of each request; set_parent's answers."""
+    import random
+
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    random.seed(seed)
+    exp = exporter_of(w, mem)
+    answers = _engine_parents(exp)
+    ids = _equivalence_scenario(w, exp)
+    assert exp.shutdown(timeout_millis=5000)
+    assert exp.errors == 0 and exp.spans_dropped == 0
+    spans = sorted(
+        [
+            (
+                s.name,
+                dict(s.attributes).get("kv.request.id"),
+                format(s.context.trace_id, "032x"),
+                s.context.span_id,
+                tuple(s.context.trace_state.items()),
+                None if s.parent is None else (format(s.parent.trace_id, "032x"), s.parent.span_id, s.parent.is_remote),
+                tuple(sorted(dict(s.attributes).items())),
+                tuple((e.name, tuple(sorted(dict(e.attributes).items()))) for e in s.events),
+                s.status.status_code.name,
+            )
+            for s in mem.get_finished_spans()
+        ],
+        key=repr,
+    )
+    return spans, ids, answers
+
+
+@pytest.mark.parametrize("sampler_env", [None, ("parentbased_traceidratio", "0.5"), ("always_on", None)])
+def test_set_parent_puts_request_spans_in_the_engines_traces(otel_env, sampler_env):
+    """Requests whose parents the engine named: the fast path and the SDK's spans (same sampler, same random
+    source) give the same spans, ids, parents, trace states and trace ids; a child of the engine's span has the
+    engine's trace id, its parent (remote or local) and trace state; the parent-based sampler follows the engine's
+    decision (the unsampled engine request "c" gets no span and no trace id), always_on does not; a malformed
+    carrier leaves a root span; the leak found after b's release is a child of b's span, in the engine's trace."""
+    from opentelemetry.sdk.trace import sampling as smp
+
+    if sampler_env is not None:
+        otel_env.setenv("OTEL_TRACES_SAMPLER", sampler_env[0])
+        if sampler_env[1] is not None:
+            otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", sampler_env[1])
+    sdk_sampler = smp._get_from_env_or_default()
+
+    def fast(w, mem):
+        exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
+        assert exp._fast is not None
+        return exp
+
+    def sdk(w, mem):
+        provider = TracerProvider(sampler=sdk_sampler)
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        return OtelExporter(w, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
+
+    for seed in range(4):
+        got = _parented_spans(fast, seed)
+        assert got == _parented_spans(sdk, seed)
+    spans, ids, answers = got
+    assert answers == {"a": True, "b": True, "c": True, 42: False, "p": True}
+    req = {rid: s for s in spans if s[0] == "kv.request" for rid in [s[1]]}
+    b_trace = ENGINE_TRACE_B
+    assert req[_pseudonym("a")][2:6] == (
+        format(ENGINE_TRACE_A, "032x"),
+        req[_pseudonym("a")][3],
+        (("vendor", "a1"),),
+        (format(ENGINE_TRACE_A, "032x"), 0xB7AD6B7169203331, False),
+    )
+    assert req[_pseudonym("b")][2] == b_trace and req[_pseudonym("b")][4] == (("eng", "b"),)
+    assert req[_pseudonym("b")][5] == (b_trace, 0x00F067AA0BA902B7, True)
+    assert req[_pseudonym("p")][5] == (format(0x1111, "032x"), 0x2222, True)
+    assert ids["a"] == format(ENGINE_TRACE_A, "032x") and ids["b"] == b_trace and ids["p"] == format(0x1111, "032x")
+    leak = [s for s in spans if s[0] == "kv.violation" and s[5] is not None]
+    assert len(leak) == 1 and leak[0][2] == b_trace and leak[0][5] == (b_trace, req[_pseudonym("b")][3], False)
+    assert leak[0][4] == (("eng", "b"),)  # the child keeps its parent's trace state, as the SDK's samplers hand it
+    if sampler_env is not None and sampler_env[0] == "always_on":
+        assert _pseudonym("c") in req and req[_pseudonym("c")][2] == ENGINE_TRACE_C and ids["c"] == ENGINE_TRACE_C
+    else:
+        assert _pseudonym("c") not in req and ids["c"] is None
+    if sampler_env is None or sampler_env[0] == "always_on":
+        assert _pseudonym(42) in req and req[_pseudonym(42)][5] is None  # a root span of its own
+
+
+def test_set_parent_reaches_the_collector_as_a_remote_parent(otel_env):
+    """Over OTLP/HTTP: the request span of a request whose engine span came in a W3C carrier arrives in the
+    engine's trace, with the engine span's id as its parent, the remote-parent flags and the trace state; the
+    request the engine did not sample arrives not at all."""
+    with Receiver() as rx:
+        w = paged(size=64)
+        exp = OtelExporter(w, endpoint=rx.base)
+        assert exp.set_parent("b", {"traceparent": f"00-{ENGINE_TRACE_B}-00f067aa0ba902b7-01", "tracestate": "e=1"})
+        assert exp.set_parent("c", {"traceparent": f"00-{ENGINE_TRACE_C}-00f067aa0ba902b8-00"})
+        b, c, d = Req("b"), Req("c"), Req("d")
+        extend(w, [b, c, d], [5, 6, 3])
+        for r in (b, c, d):
+            w.free(t(r.row))
+            w.release_request(r.rid)
+        assert exp.shutdown(timeout_millis=5000)
+        assert rx.wait_for(lambda r: r.span_count() == 2)
+        with rx.lock:
+            got = {s.attributes[0].value.string_value: s for _, s in rx.spans}
+    assert set(got) == {"b", "d"}
+    sb = got["b"]
+    assert sb.trace_id.hex() == ENGINE_TRACE_B and sb.parent_span_id.hex() == "00f067aa0ba902b7"
+    assert sb.trace_state == "e=1" and sb.flags == 0x300  # the context has an is_remote bit, and it is set
+    sd = got["d"]
+    assert sd.parent_span_id == b"" and sd.flags == 0x100 and sd.trace_id.hex() != ENGINE_TRACE_B
+
+
+def test_encoder_writes_the_sdks_request_bytes_for_parented_spans(otel_env):
+    """``_encode_request`` on request spans whose parents the engine named (local and remote, trace states) and on
+    the violation span in such a trace: byte for byte the SDK encoder's request."""
+    from exporters.otel import _encode_request, _KeyCache
+
+    mem = InMemorySpanExporter()
+    w = _swa_alloc()
+    exp = OtelExporter(w, span_exporter=mem)
+    _engine_parents(exp)
+    _equivalence_scenario(w, exp)
+    exp.shutdown(timeout_millis=5000)
+    spans = mem.get_finished_spans()
+    assert sum(s.parent is not None and s.parent.is_remote for s in spans) == 2
+    assert sum(bool(s.context.trace_state) for s in spans) >= 3
+    assert _encode_request(spans, _KeyCache(), {}) == _sdk_request_bytes(spans)
+    for s in spans:
+        assert _encode_request([s], _KeyCache(), {}) == _sdk_request_bytes([s])
+
+
+def test_set_parent_bad_input_late_calls_and_bounds(otel_env, monkeypatch):
+    """What set_parent refuses (a type it does not know: TypeError naming it; a request whose span has started:
+    ValueError naming the request) changes nothing; None forgets a parent (a request dropped before its first
+    allocation); at most _MAX_PARENTS wait (the oldest forgotten, counted); with tracing off it accepts and does
+    nothing."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    import exporters.otel as otel_mod
+
+    ctx = SpanContext(0xABC, 0xDEF, True, TraceFlags(TraceFlags.SAMPLED))
+    mem = InMemorySpanExporter()
+    w = paged(size=64)
+    exp = OtelExporter(w, span_exporter=mem)
+    with pytest.raises(TypeError, match=r"set_parent: expected a SpanContext.*got int"):
+        exp.set_parent("a", 12)
+    with pytest.raises(TypeError, match="got str"):
+        exp.set_parent("a", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    assert exp._parents == {}
+    assert exp.set_parent("a", ctx) is True
+    assert exp.set_parent("a", None) is False and exp._parents == {}
+    assert exp.set_parent("a", {}) is False  # no traceparent: no valid context, a root span
+    assert exp.set_parent("gone", ctx) is True
+    assert exp.set_parent("gone", None) is False  # a request dropped before its first allocation: forgotten
+    assert "gone" not in exp._parents
+    a = Req("a")
+    assert exp.set_parent("a", ctx)
+    extend(w, [a], [5])
+    assert exp._parents == {} and exp.trace_id_for("a") == format(0xABC, "032x")
+    with pytest.raises(ValueError, match=r"set_parent: request 'a' already has its kv\.request span"):
+        exp.set_parent("a", SpanContext(0x999, 0x998, True, TraceFlags(TraceFlags.SAMPLED)))
+    assert exp.trace_id_for("a") == format(0xABC, "032x")
+    monkeypatch.setattr(otel_mod, "_MAX_PARENTS", 3)
+    for i in range(5):
+        exp.set_parent(f"q{i}", ctx)
+    assert list(exp._parents) == ["q2", "q3", "q4"] and exp.parents_dropped == 2
+    w.free(t(a.row))
+    w.release_request("a")
+    assert exp.shutdown(timeout_millis=5000)
+    (s,) = mem.get_finished_spans()
+    assert s.parent == ctx and s.context.trace_id == 0xABC
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    w2 = paged(size=64)
+    off = OtelExporter(w2, span_exporter=InMemorySpanExporter())
+    assert off.set_parent("a", ctx) is False and off._parents == {}
+    with pytest.raises(TypeError):
+        off.set_parent("a", 1.5)
+    assert off.shutdown(timeout_millis=5000)
