@@ -2152,3 +2152,64 @@ def test_set_parent_bad_input_late_calls_and_bounds(otel_env, monkeypatch):
     with pytest.raises(TypeError):
         off.set_parent("a", 1.5)
     assert off.shutdown(timeout_millis=5000)
+
+
+def test_set_parent_takes_sglangs_request_trace_context(otel_env, monkeypatch):
+    """SGLang 0.5.23's own request trace context (``TraceReqContext``: the root span its tokenizer starts from the
+    client's ``traceparent``, pickled to the scheduler as SGLang ships a request, where ``root_span_context`` is an
+    OpenTelemetry ``Context``) wired in as the README shows: the request's ``kv.request`` span is a child of SGLang's
+    request span, in the client's trace. A disabled context (``TraceNullContext``, or tracing off) names none."""
+    import pickle
+
+    from tests.sglang_compat import require_sglang
+
+    require_sglang(require_swa=False)
+    import sglang.srt.observability.trace as sgl_trace
+
+    from tests.ci import missing
+
+    if not sgl_trace.opentelemetry_imported:
+        missing("SGLang's tracing could not import OpenTelemetry (it needs opentelemetry-exporter-otlp-proto-grpc)")
+    # What SGLang's process_tracing_init sets up, without its global provider and OTLP exporter: a tracer of the
+    # test's own provider, the module's initialised flag, and this thread's info.
+    engine_mem = InMemorySpanExporter()
+    engine = TracerProvider()
+    engine.add_span_processor(SimpleSpanProcessor(engine_mem))
+    monkeypatch.setattr(sgl_trace, "opentelemetry_initialized", True)
+    monkeypatch.setattr(sgl_trace, "tracer", engine.get_tracer("sglang"))
+    monkeypatch.setattr(sgl_trace, "threads_info", {})
+    sgl_trace.trace_set_thread_info("tokenizer")
+    client_span = 0x00F067AA0BA902B7
+    tokenizer_ctx = sgl_trace.TraceReqContext(
+        "req-1", external_trace_header={"traceparent": f"00-{ENGINE_TRACE_B}-{client_span:016x}-01"}, trace_level=1
+    )
+    tokenizer_ctx.trace_req_start()
+    scheduler_ctx = pickle.loads(pickle.dumps(tokenizer_ctx))  # the request crossing to the scheduler process
+
+    mem = InMemorySpanExporter()
+    w = paged(size=64)
+    otel = OtelExporter(w, span_exporter=mem)
+    for rid, trace_ctx in (
+        ("req-1", scheduler_ctx),
+        ("untraced", sgl_trace.TraceNullContext()),
+        ("off", pickle.loads(pickle.dumps(sgl_trace.TraceReqContext("off", trace_level=0)))),
+    ):
+        # The README's wiring, verbatim but for the names.
+        if trace_ctx.tracing_enable is True and trace_ctx.root_span_context is not None:
+            assert otel.set_parent(rid, trace_ctx.root_span_context)
+    assert list(otel._parents) == ["req-1"]
+    reqs = [Req("req-1"), Req("untraced")]
+    extend(w, reqs, [5, 3])
+    for r in reqs:
+        w.free(t(r.row))
+        w.release_request(r.rid)
+    tokenizer_ctx.trace_req_finish()
+    assert otel.shutdown(timeout_millis=5000)
+
+    (sglang_root,) = [s for s in engine_mem.get_finished_spans() if s.parent is not None and s.parent.is_remote]
+    assert sglang_root.parent.span_id == client_span and format(sglang_root.context.trace_id, "032x") == ENGINE_TRACE_B
+    spans = {s.attributes["kv.request.id"]: s for s in mem.get_finished_spans()}
+    ours = spans["req-1"]
+    assert format(ours.context.trace_id, "032x") == ENGINE_TRACE_B
+    assert ours.parent.span_id == sglang_root.context.span_id and ours.parent.is_remote
+    assert spans["untraced"].parent is None  # a root span of its own
