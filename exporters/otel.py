@@ -116,7 +116,9 @@ Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER
 ``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``. ``endpoint=`` overrides the endpoint variables
 (a URL without a path gets ``/v1/traces``). ``span_exporter=`` replaces the OTLP exporter of our own provider (any
 ``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so its failed
-exports are counted the same way).
+exports are counted the same way). ``sampler=`` replaces ``OTEL_TRACES_SAMPLER``/``..._ARG`` for our own provider
+(an SDK ``Sampler``: the fast path takes every one ``_sampling_decision`` knows, e.g. ``ParentBasedTraceIdRatio(0.1)``;
+any other gets the SDK's spans).
 """
 
 from __future__ import annotations
@@ -1239,6 +1241,7 @@ class OtelExporter:
         span_exporter: SpanExporter | None = None,
         hash_request_ids=None,
         counting_exporter: CountingSpanExporter | CountingBatchSpanProcessor | None = None,
+        sampler: sampling.Sampler | None = None,
     ):
         if isinstance(max_events_per_span, bool) or not isinstance(max_events_per_span, int):
             raise TypeError(f"max_events_per_span: expected an int, got {type(max_events_per_span).__name__}")
@@ -1259,6 +1262,10 @@ class OtelExporter:
             )
         if counting_exporter is not None and tracer_provider is None:
             raise ValueError("counting_exporter= is for a tracer_provider passed in (our own provider counts already)")
+        if sampler is not None and not isinstance(sampler, sampling.Sampler):
+            raise TypeError(f"sampler: expected an OpenTelemetry SDK Sampler, got {type(sampler).__name__}")
+        if sampler is not None and tracer_provider is not None:
+            raise ValueError("sampler= configures the exporter's own provider; a tracer_provider has its own sampler")
         self._hasher = as_hasher(hash_request_ids)
         self._id_attr = _attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
@@ -1271,7 +1278,7 @@ class OtelExporter:
         self._counting = counting_exporter
         self._limits: SpanLimits | None = None
         if tracer_provider is None:
-            tracer_provider = self._build_provider(endpoint, span_exporter)
+            tracer_provider = self._build_provider(endpoint, span_exporter, sampler)
         self._provider = tracer_provider
         self._tracer = tracer_provider.get_tracer(TRACER_NAME)
         self._fast = self._fast_tracer()
@@ -1327,7 +1334,7 @@ class OtelExporter:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
             alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
 
-    def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None) -> TracerProvider:
+    def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None, sampler) -> TracerProvider:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
@@ -1341,7 +1348,8 @@ class OtelExporter:
         if limits.max_events is not None and limits.max_events < self._max_events:
             limits = SpanLimits(max_events=self._max_events)
         self._limits = limits
-        provider = TracerProvider(resource=resource, span_limits=limits)
+        # sampler None: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default parentbased_always_on).
+        provider = TracerProvider(resource=resource, span_limits=limits, sampler=sampler)
         provider.add_span_processor(self._counting)
         return provider
 

@@ -2213,3 +2213,53 @@ def test_set_parent_takes_sglangs_request_trace_context(otel_env, monkeypatch):
     assert format(ours.context.trace_id, "032x") == ENGINE_TRACE_B
     assert ours.parent.span_id == sglang_root.context.span_id and ours.parent.is_remote
     assert spans["untraced"].parent is None  # a root span of its own
+
+
+def test_sampler_argument_configures_the_own_provider(otel_env):
+    """``sampler=`` is the own provider's sampler, in place of OTEL_TRACES_SAMPLER (set here to something else, to
+    show it is not read): a sampler the fast path knows keeps it (same spans as the SDK's under that sampler and
+    random source), one it does not gets the SDK's spans, ALWAYS_OFF subscribes to nothing; a non-sampler or a
+    sampler with a tracer_provider is refused, naming the argument."""
+    import random
+
+    from opentelemetry.sdk.trace import sampling as smp
+
+    otel_env.setenv("OTEL_TRACES_SAMPLER", "always_off")
+
+    def fast(w, mem):
+        exp = OtelExporter(w, span_exporter=mem, hash_request_ids=HASH_KEY, sampler=smp.ParentBasedTraceIdRatio(0.5))
+        assert exp._fast is not None and exp._fast.roots is not None
+        return exp
+
+    def sdk(w, mem):
+        provider = TracerProvider(sampler=smp.ParentBasedTraceIdRatio(0.5))
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        return OtelExporter(w, tracer_provider=provider, hash_request_ids=HASH_KEY)
+
+    kept = 0
+    for seed in range(4):
+        got = _scenario_spans(fast, seed)
+        assert got == _scenario_spans(sdk, seed)
+        kept += len(got[0])
+    assert kept > 0
+
+    class Coin(smp.Sampler):
+        def should_sample(self, parent_context, trace_id, name, *args, **kwargs):
+            return smp.SamplingResult(smp.Decision.RECORD_AND_SAMPLE if trace_id % 2 else smp.Decision.DROP)
+
+        def get_description(self):
+            return "coin"
+
+    w = paged()
+    random.seed(3)
+    exp = OtelExporter(w, span_exporter=InMemorySpanExporter(), sampler=Coin())
+    assert exp._fast is None and not exp._off and exp in w.bus.sinks  # the SDK's spans apply it
+    assert exp.shutdown(timeout_millis=5000)
+    w = paged()
+    off = OtelExporter(w, span_exporter=InMemorySpanExporter(), sampler=smp.ALWAYS_OFF)
+    assert off._off and off not in w.bus.sinks
+    off.shutdown(timeout_millis=5000)
+    with pytest.raises(TypeError, match="sampler: expected an OpenTelemetry SDK Sampler, got float"):
+        OtelExporter(paged(), span_exporter=InMemorySpanExporter(), sampler=0.1)
+    with pytest.raises(ValueError, match="sampler= configures the exporter's own provider"):
+        OtelExporter(paged(), tracer_provider=TracerProvider(), sampler=smp.ALWAYS_ON)
