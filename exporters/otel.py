@@ -1010,13 +1010,15 @@ class _Req:
         "evicted",
         "mark",
         "n_events",
+        "parent",
         "span",
         "violations",
     )
     sampled = True  # the sampler's decision is the span's (the SDK's spans) or made at the start (_Unsampled)
 
-    def __init__(self, span):
+    def __init__(self, span, parent: SpanContext | None = None):
         self.span = span
+        self.parent = parent  # the engine's span of the request (set_parent), or None
         # Reported: the record as allocations and checked writes left it. Current: the ledger's values now
         # (frees included), what the next allocation's per-request share is measured from.
         self.allocated = self.committed = self.evicted = 0
@@ -1069,7 +1071,7 @@ class _FastReq(_Req):
     dict and its ``ReadableSpan`` at the end (no span object lives in between). ``span`` is None. Not thread-safe:
     used under the exporter's lock; finished once (the exporter drops it from its open requests as it does)."""
 
-    __slots__ = ("ctx", "events", "id_attr", "page_size", "parent", "start_time", "status", "tracer")
+    __slots__ = ("ctx", "events", "id_attr", "page_size", "start_time", "status", "tracer")
 
     def __init__(self, tracer: _FastTracer, id_attr, page_size: int, tid: int = 0, sid: int = 0, parent=None):
         # ``span`` is left unset: nothing reads it (the methods below replace _Req's).
@@ -1186,7 +1188,9 @@ class _Unsampled(_Req):
     __slots__ = ("ctx",)
     sampled = False
 
-    def __init__(self, tid: int, sid: int, trace_state=DEFAULT_TRACE_STATE):
+    def __init__(self, tid: int, sid: int, parent: SpanContext | None = None):
+        self.parent = parent
+        trace_state = DEFAULT_TRACE_STATE if parent is None else parent.trace_state
         self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
         self.decode_steps = self.n_events = self.dropped = self.violations = 0
@@ -1290,8 +1294,10 @@ class OtelExporter:
         self._lock = threading.RLock()
         self._open: dict = {}
         self._ended: OrderedDict = OrderedDict()  # rid -> SpanContext of its ended span
-        # rid -> the engine's SpanContext of the request (set_parent), until its span starts (or its release).
+        # rid -> the engine's SpanContext of the request (set_parent), until its span starts.
         self._parents: OrderedDict = OrderedDict()
+        # rid -> the engine's SpanContext of its ended span: the parent of the request's next span, if any.
+        self._ended_parents: OrderedDict = OrderedDict()
         self.parents_dropped = 0
         # rid -> (committed delta, allocated delta, committed before, record), this batch
         self._pending: dict = {}
@@ -1399,7 +1405,9 @@ class OtelExporter:
         with a request, ``sglang.srt.observability.trace.extract_trace_headers``; parsed here by the W3C
         propagator, whatever the process's global propagator is). None forgets a parent set before.
 
-        Call it before the request's first allocation (its span starts there). The span then takes the parent's
+        Call it before the request's first allocation (its span starts there). A later span of the same request
+        id (a retracted request's re-prefill, after its release) stays a child of the same parent unless
+        ``set_parent`` names another (or None) before it starts. The span then takes the parent's
         trace id and trace state, and the sampler decides as the SDK's does for a child: a parent-based sampler
         (the default) follows the engine's decision, remote or local, so a request the engine does not trace
         builds no span here either. ``trace_id_for`` (and the violations' trace ids, the exemplars) then name the
@@ -1422,6 +1430,7 @@ class OtelExporter:
             parents = self._parents
             if ctx is None:
                 parents.pop(rid, None)
+                self._ended_parents.pop(rid, None)
                 return False
             parents[rid] = ctx
             parents.move_to_end(rid)
@@ -1519,8 +1528,13 @@ class OtelExporter:
 
     # -- spans ------------------------------------------------------------------------------------------------
     def _start(self, rid) -> _Req:
-        # The engine's span of this request (set_parent), if it named one: the span is its child, in its trace.
+        # The engine's span of this request, if it named one (set_parent; or, for a later span of the same request,
+        # a retracted request's re-prefill, the one its previous span had): the span is its child, in its trace.
         parent = self._parents.pop(rid, None) if self._parents else None
+        if self._ended_parents:
+            earlier = self._ended_parents.pop(rid, None)
+            if parent is None:
+                parent = earlier
         fast = self._fast
         if fast is not None:
             if parent is not None:
@@ -1530,7 +1544,7 @@ class OtelExporter:
                 if sampled:
                     r = _FastReq(fast, self._id_attr(rid), self._ps, tid, sid, parent)
                 else:
-                    r = _Unsampled(tid, sid, parent.trace_state)
+                    r = _Unsampled(tid, sid, parent)
             elif fast.roots is None:
                 r = _FastReq(fast, self._id_attr(rid), self._ps)
             else:
@@ -1550,7 +1564,8 @@ class OtelExporter:
                     else trace.set_span_in_context(NonRecordingSpan(parent), Context()),
                     kind=SpanKind.INTERNAL,
                     attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
-                )
+                ),
+                parent,
             )
         self._open[rid] = r
         self._open_version += 1
@@ -1782,6 +1797,11 @@ class OtelExporter:
                 self._parents.pop(e.rid, None)  # a parent set for a request that never allocated
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
+        if r.parent is not None:  # a later span of this request (a re-prefill after a retraction) joins that trace
+            ended_parents = self._ended_parents
+            ended_parents[e.rid] = r.parent
+            if len(ended_parents) > _RECENT_ENDED:
+                ended_parents.popitem(last=False)
         if not r.sampled:  # no span to end (nothing of it in ``later`` either); its context, for later violations
             ended = self._ended
             ended[e.rid] = r.ctx

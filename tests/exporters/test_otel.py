@@ -2263,3 +2263,39 @@ def test_sampler_argument_configures_the_own_provider(otel_env):
         OtelExporter(paged(), span_exporter=InMemorySpanExporter(), sampler=0.1)
     with pytest.raises(ValueError, match="sampler= configures the exporter's own provider"):
         OtelExporter(paged(), tracer_provider=TracerProvider(), sampler=smp.ALWAYS_ON)
+
+
+def test_a_retracted_requests_next_span_stays_in_the_engines_trace(otel_env):
+    """A request released (retracted) and allocated again gets a second kv.request span, a child of the same engine
+    span, unless set_parent names another parent (or None) before that allocation; on both paths."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    first = SpanContext(0xAAA, 0x111, True, TraceFlags(TraceFlags.SAMPLED))
+    other = SpanContext(0xBBB, 0x222, True, TraceFlags(TraceFlags.SAMPLED))
+    for path in ("fast", "sdk"):
+        mem = InMemorySpanExporter()
+        w = paged(size=64)
+        if path == "sdk":
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(mem))
+            exp = OtelExporter(w, tracer_provider=provider)
+        else:
+            exp = OtelExporter(w, span_exporter=mem)
+        assert exp.set_parent("a", first) and exp.set_parent("b", first) and exp.set_parent("c", first)
+
+        def lifetime(w, rid):
+            r = Req(rid)
+            extend(w, [r], [5])
+            w.free(t(r.row))
+            w.release_request(rid)
+
+        for rid in ("a", "b", "c"):
+            lifetime(w, rid)
+        lifetime(w, "a")  # re-prefilled: the same engine span
+        assert exp.set_parent("b", other)
+        lifetime(w, "b")  # a new parent named before it
+        assert exp.set_parent("c", None) is False
+        lifetime(w, "c")  # forgotten: a root span
+        assert exp.shutdown(timeout_millis=5000)
+        parents = [(s.attributes["kv.request.id"], s.parent) for s in mem.get_finished_spans()]
+        assert parents == [("a", first), ("b", first), ("c", first), ("a", first), ("b", other), ("c", None)], path
