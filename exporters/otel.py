@@ -61,10 +61,11 @@ Threading and what is dropped when
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
 - The fast span path (our own provider only): when the sampler is one ``OTEL_TRACES_SAMPLER`` names (unset:
   ``parentbased_always_on``; ``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_off``,
-  ``parentbased_traceidratio``), the SDK is enabled and the span limits trim nothing of ours (no
-  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at
-  least 16), a span is not an SDK ``Span`` while it lives: a plain record (start time, trace and span ids from the
-  provider's id generator, attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
+  ``parentbased_traceidratio``; or ``sampler=`` such an SDK sampler, parent-based ones with any such delegates),
+  the SDK is enabled and the span limits trim nothing of ours (no ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``/
+  ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, attribute count limits of at least 16), a span is not an SDK
+  ``Span`` while it lives: a plain record (start time, trace and span ids from the provider's id generator,
+  attributes, events, status), ended into one ``ReadableSpan`` handed straight to our
   ``CountingBatchSpanProcessor``. A request's span is the request's own record until then (its start attributes
   kept as values: the span's one attribute dict is built at the end, keys in the SDK span's order). What is
   exported is the same as the SDK's spans would give (name, ids, parent, attributes, events, status, kind,
@@ -81,7 +82,8 @@ Threading and what is dropped when
   queued, nothing counted as lost. So a sampler cuts the exporter's cost, where the SDK's non-recording spans
   would not (each still a span object, a sampler call and its events' attributes built).
 - Tracing off: when no span can be produced (``OTEL_SDK_DISABLED``, or a provider whose tracer is a no-op; our
-  provider's sampler dropping every span of ours: ``always_off``, ``parentbased_always_off``, a ratio of 0) the
+  provider's sampler dropping every span of ours, whatever its parent: ``always_off``, a ratio of 0; not
+  ``parentbased_always_off``, which samples the child of a sampled engine span named by ``set_parent``) the
   exporter subscribes to nothing: with no other sink the wrapper builds no event, and ``trace_id_for`` is not set.
 - Sampling and trace ids: ``trace_id_for`` (and so a violation's ``trace_id`` and the Prometheus exemplar) is None
   for a request whose span the sampler dropped, on either path: such a trace is never exported (the same rule as
@@ -783,10 +785,7 @@ class _FastTracer:
         tid = rand(128)
         while not tid:
             tid = rand(128)
-        sid = rand(64)
-        while not sid:
-            sid = rand(64)
-        return tid, sid
+        return tid, self.new_span_id()
 
     def new_span_id(self) -> int:
         """A span id alone (a child's: its trace id is the parent's), as ``new_ids`` draws it."""
