@@ -215,6 +215,17 @@ def _trace_hex(ctx) -> str | None:
     return format(ctx.trace_id, "032x")
 
 
+def _put_recent(recent: OrderedDict, key, value, limit: int) -> bool:
+    """``recent[key] = value`` as its newest entry, then the oldest out when that makes more than ``limit`` (one in,
+    at most one out). True when one went out."""
+    recent[key] = value
+    recent.move_to_end(key)
+    if len(recent) > limit:
+        recent.popitem(last=False)
+        return True
+    return False
+
+
 def _parent_context(parent) -> SpanContext | None:
     """``OtelExporter.set_parent``'s ``parent`` as a valid ``SpanContext``, or None (None, or no valid context)."""
     if parent is None:
@@ -1188,12 +1199,8 @@ class _Unsampled(_Req):
     sampled = False
 
     def __init__(self, tid: int, sid: int, parent: SpanContext | None = None):
-        self.parent = parent
+        _Req.__init__(self, None, parent)  # the counters; no span
         trace_state = DEFAULT_TRACE_STATE if parent is None else parent.trace_state
-        self.allocated = self.committed = self.evicted = 0
-        self.cur_allocated = self.cur_committed = 0
-        self.decode_steps = self.n_events = self.dropped = self.violations = 0
-        self.mark = 0
         valid = 0 < tid <= _TRACE_ID_MAX and 0 < sid <= _SPAN_ID_MAX
         self.ctx = tuple.__new__(SpanContext, (tid, sid, False, _NOT_SAMPLED, trace_state, valid))
 
@@ -1431,10 +1438,7 @@ class OtelExporter:
                 parents.pop(rid, None)
                 self._ended_parents.pop(rid, None)
                 return False
-            parents[rid] = ctx
-            parents.move_to_end(rid)
-            if len(parents) > _MAX_PARENTS:
-                parents.popitem(last=False)
+            if _put_recent(parents, rid, ctx, _MAX_PARENTS):
                 self.parents_dropped += 1
             return True
 
@@ -1797,32 +1801,24 @@ class OtelExporter:
             return  # released without any traced event: nothing was allocated for it
         self._open_version += 1
         if r.parent is not None:  # a later span of this request (a re-prefill after a retraction) joins that trace
-            ended_parents = self._ended_parents
-            ended_parents[e.rid] = r.parent
-            if len(ended_parents) > _RECENT_ENDED:
-                ended_parents.popitem(last=False)
-        if not r.sampled:  # no span to end (nothing of it in ``later`` either); its context, for later violations
-            ended = self._ended
-            ended[e.rid] = r.ctx
-            if len(ended) > _RECENT_ENDED:
-                ended.popitem(last=False)
-            return
-        if later:  # this batch's earlier events first, then the release in its reserved place
-            for item in later:
-                if item[0] is r:
-                    self._add_event(r, item[1], item[2])
-            later[:] = [item for item in later if item[0] is not r]
-        held, peak = e.pages_held, e.pages_peak
-        if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
-            r.n_events += 1
-            release = {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step}
+            _put_recent(self._ended_parents, e.rid, r.parent, _RECENT_ENDED)
+        if r.sampled:
+            if later:  # this batch's earlier events first, then the release in its reserved place
+                for item in later:
+                    if item[0] is r:
+                        self._add_event(r, item[1], item[2])
+                later[:] = [item for item in later if item[0] is not r]
+            held, peak = e.pages_held, e.pages_peak
+            if r.n_events < self._max_events:  # _add_event(..., reserved=True), inlined: once per request
+                r.n_events += 1
+                release = {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step}
+            else:
+                r.dropped += 1
+                release = None
+            ctx = r.release(release, held, peak)
         else:
-            r.dropped += 1
-            release = None
-        ended = self._ended
-        ended[e.rid] = r.release(release, held, peak)
-        if len(ended) > _RECENT_ENDED:  # one added at a time: one out
-            ended.popitem(last=False)
+            ctx = r.ctx  # no span to end (nothing of it in ``later`` either)
+        _put_recent(self._ended, e.rid, ctx, _RECENT_ENDED)  # its context, for later violations in its trace
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
         if self._dec is not None:

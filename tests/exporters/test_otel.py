@@ -1190,34 +1190,42 @@ def test_samplers_the_fast_path_does_not_know_take_the_sdk_path(otel_env):
         assert _sampling_decision(sampler) is None
 
 
-def _scenario_spans(exporter_of, seed: int) -> tuple[list, dict, list]:
+def _scenario_spans(exporter_of, seed: int, *, parents: bool = False) -> tuple[list, dict, list, dict | None]:
     """The equivalence scenario with the global random source seeded first (the SDK's RandomIdGenerator draws from
-    it; so does the fast path, in the same order): its spans with their ids, trace_id_for of each request, and the
-    trace ids the violations carry."""
+    it; so does the fast path, in the same order) and, with ``parents``, the engine's parents set first
+    (``_engine_parents``). Returns its spans with their ids, parents (with their remote flag) and trace states;
+    trace_id_for of each request; the trace ids the violations carry; set_parent's answers (None without)."""
     import random
 
     mem = InMemorySpanExporter()
     w = _swa_alloc()
     random.seed(seed)
     exp = exporter_of(w, mem)
+    answers = _engine_parents(exp) if parents else None
     ids = _equivalence_scenario(w, exp)
     assert exp.shutdown(timeout_millis=5000)
     assert exp.errors == 0 and exp.spans_dropped == 0
+    finished = mem.get_finished_spans()
+    assert all(s.context.trace_flags.sampled for s in finished)
     spans = sorted(
-        (
-            s.name,
-            format(s.context.trace_id, "032x"),
-            s.context.span_id,
-            None if s.parent is None else (s.parent.trace_id, s.parent.span_id),
-            tuple(sorted(dict(s.attributes).items())),
-            tuple((e.name, tuple(sorted(dict(e.attributes).items()))) for e in s.events),
-            s.status.status_code.name,
-            s.status.description,
-        )
-        for s in mem.get_finished_spans()
+        [
+            (
+                s.name,
+                dict(s.attributes).get("kv.request.id"),
+                format(s.context.trace_id, "032x"),
+                s.context.span_id,
+                tuple(s.context.trace_state.items()),
+                None if s.parent is None else (format(s.parent.trace_id, "032x"), s.parent.span_id, s.parent.is_remote),
+                tuple(sorted(dict(s.attributes).items())),
+                tuple((e.name, tuple(sorted(dict(e.attributes).items()))) for e in s.events),
+                s.status.status_code.name,
+                s.status.description,
+            )
+            for s in finished
+        ],
+        key=repr,
     )
-    assert all(s.context.trace_flags.sampled for s in mem.get_finished_spans())
-    return spans, ids, [v.trace_id for v in w.violations]
+    return spans, ids, [v.trace_id for v in w.violations], answers
 
 
 @pytest.mark.parametrize(
@@ -1228,7 +1236,8 @@ def test_sampled_spans_are_the_sdks_ids_included(otel_env, env_sampler, arg):
     """Under a ratio sampler, the fast path and the SDK's spans (a provider passed in, the same sampler) from the
     same random source: the same spans kept, the same trace and span ids, parents, attributes and events; the same
     ``trace_id_for`` (None for a request whose span was dropped) and the same trace ids on the violations. Across
-    the seeds, some requests are sampled and some dropped, and a dropped request's violation carries no trace id."""
+    the seeds, some requests are sampled and some dropped (a dropped request's exemplar: see
+    ``test_exemplars_link_sampled_traces_only``)."""
     from opentelemetry.sdk.trace import sampling as smp
 
     otel_env.setenv("OTEL_TRACES_SAMPLER", env_sampler)
@@ -1237,7 +1246,7 @@ def test_sampled_spans_are_the_sdks_ids_included(otel_env, env_sampler, arg):
 
     def fast(w, mem):
         exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
-        assert exp._fast is not None and exp._fast.decide is not None and not exp._off
+        assert exp._fast is not None and exp._fast.roots is not None and not exp._off
         return exp
 
     def sdk(w, mem):
@@ -1251,12 +1260,12 @@ def test_sampled_spans_are_the_sdks_ids_included(otel_env, env_sampler, arg):
     for seed in range(12):
         got = _scenario_spans(fast, seed)
         assert got == _scenario_spans(sdk, seed)
-        spans, ids, violation_traces = got
+        spans, ids, violation_traces, _ = got
         kept += sum(x is not None for x in ids.values())
         dropped += sum(x is None for x in ids.values())
-        requests = {s[4][[k for k, _ in s[4]].index("kv.request.id")][1]: s[1] for s in spans if s[0] == "kv.request"}
+        requests = {s[1]: s[2] for s in spans if s[0] == "kv.request"}
         assert sorted(requests.values()) == sorted(x for x in ids.values() if x is not None)
-        assert set(violation_traces) <= set(ids.values()) | {s[1] for s in spans} | {None}
+        assert set(violation_traces) <= set(ids.values()) | {s[2] for s in spans} | {None}
     assert kept >= 10 and dropped >= 10  # both outcomes, many times (60 requests)
 
 
@@ -1973,39 +1982,6 @@ def _engine_parents(exp) -> dict:
     }
 
 
-def _parented_spans(exporter_of, seed: int) -> tuple[list, dict, dict]:
-    """The equivalence scenario with the engine's parents set first, the random source seeded: spans with ids,
-    parents (with their remote flag) and trace states; trace_id_for of each request; set_parent's answers."""
-    import random
-
-    mem = InMemorySpanExporter()
-    w = _swa_alloc()
-    random.seed(seed)
-    exp = exporter_of(w, mem)
-    answers = _engine_parents(exp)
-    ids = _equivalence_scenario(w, exp)
-    assert exp.shutdown(timeout_millis=5000)
-    assert exp.errors == 0 and exp.spans_dropped == 0
-    spans = sorted(
-        [
-            (
-                s.name,
-                dict(s.attributes).get("kv.request.id"),
-                format(s.context.trace_id, "032x"),
-                s.context.span_id,
-                tuple(s.context.trace_state.items()),
-                None if s.parent is None else (format(s.parent.trace_id, "032x"), s.parent.span_id, s.parent.is_remote),
-                tuple(sorted(dict(s.attributes).items())),
-                tuple((e.name, tuple(sorted(dict(e.attributes).items()))) for e in s.events),
-                s.status.status_code.name,
-            )
-            for s in mem.get_finished_spans()
-        ],
-        key=repr,
-    )
-    return spans, ids, answers
-
-
 @pytest.mark.parametrize("sampler_env", [None, ("parentbased_traceidratio", "0.5"), ("always_on", None)])
 def test_set_parent_puts_request_spans_in_the_engines_traces(otel_env, sampler_env):
     """Requests whose parents the engine named: the fast path and the SDK's spans (same sampler, same random
@@ -2032,9 +2008,9 @@ def test_set_parent_puts_request_spans_in_the_engines_traces(otel_env, sampler_e
         return OtelExporter(w, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
 
     for seed in range(4):
-        got = _parented_spans(fast, seed)
-        assert got == _parented_spans(sdk, seed)
-    spans, ids, answers = got
+        got = _scenario_spans(fast, seed, parents=True)
+        assert got == _scenario_spans(sdk, seed, parents=True)
+    spans, ids, _, answers = got
     assert answers == {"a": True, "b": True, "c": True, 42: False, "p": True}
     req = {rid: s for s in spans if s[0] == "kv.request" for rid in [s[1]]}
     b_trace = ENGINE_TRACE_B
