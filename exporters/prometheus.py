@@ -48,6 +48,17 @@ What is computed when
   (counters of dead processes must keep counting into the sums). prometheus_client itself chooses its value
   class when it is first imported: the variable must be set before that import (a clear error says so).
   Exemplars are not stored by prometheus_client in multiprocess mode.
+- Multiprocess disk space: prometheus_client grows its files with ``truncate`` (a sparse file) and writes a new
+  series' key through the mapping; on a full filesystem that write is a SIGBUS, which kills the process (no
+  exception to catch). So before anything of ours may add a series (a new child, a gauge or a sink name seen for
+  the first time), the space it will be written into is reserved with ``posix_fallocate`` in this process's files
+  (``_MpSpace``): the used part plus ``_MP_HEADROOM`` bytes, in the sizes prometheus_client grows them to. When
+  the reservation fails (ENOSPC, a quota), that raises ``OSError`` naming the directory instead: from the
+  constructor, or, in the sink, a refused batch (counted in ``alloc.bus.dropped["prometheus"]``, ``last_error``)
+  while the allocator goes on. Series that exist are updated in place (their pages are allocated), so a full disk
+  only stops new series. Not covered: a process forked after the exporter was built writes fresh files on its first
+  update (prometheus_client re-creates every series after a fork), unreserved; build the exporter in the process
+  that uses it.
 - Exemplars (single-process): ``kvalloc_invariant_violations_total`` carries ``{trace_id="..."}`` of the latest
   violation that had one (``alloc.trace_id_for``); visible in the OpenMetrics exposition.
 
@@ -62,11 +73,12 @@ import errno
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mmap_dict, start_http_server, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -159,6 +171,62 @@ def _multiproc_dir() -> str | None:
     # prometheus_client still honours the deprecated lower-case name (and copies it to the upper-case one).
     env = os.environ
     return env.get("PROMETHEUS_MULTIPROC_DIR") or env.get("prometheus_multiproc_dir") or None
+
+
+# Bytes reserved past a multiprocess file's used part before a series may be added: one series' entries (a histogram
+# child: a key per bucket, sum, count and created; a key holds the metric name, the labels and the help text) stay
+# well under this.
+_MP_HEADROOM = 32 << 10
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class _MpSpace:
+    """Reserves disk space in this process's prometheus_client multiprocess files (see the module docstring).
+
+    prometheus_client keeps one file per value kind and process, ``{prefix}_{pid}.db``; a file starts at
+    ``mmap_dict._INITIAL_MMAP_SIZE`` bytes and doubles when a new entry does not fit; its first 4 bytes are the
+    used length. ``reserve()`` allocates ``[0, capacity)`` of each file, ``capacity`` being the size that file
+    will have once it holds its used part plus ``_MP_HEADROOM`` (a file created here is created at the initial
+    size, as prometheus_client would). Cost: a few system calls per file; called only before a series may be
+    added, never per event. Not thread-safe by itself: called on the engine thread (the sink) or under the
+    exporter's refresh lock."""
+
+    def __init__(self, directory: str, prefixes: Iterable[str]):
+        self.directory = directory
+        self.prefixes = tuple(prefixes)
+        self.supported = True  # False once the filesystem said it cannot reserve: then we write as before
+
+    def reserve(self) -> None:
+        if not self.supported:
+            return
+        pid = os.getpid()
+        initial = int(getattr(mmap_dict, "_INITIAL_MMAP_SIZE", 1 << 16))
+        for prefix in self.prefixes:
+            path = os.path.join(self.directory, f"{prefix}_{pid}.db")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise OSError(exc.errno, f"multiprocess metrics: cannot open {path}: {exc.strerror}") from exc
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, 4, 0)
+                used = struct.unpack("i", head)[0] if len(head) == 4 else 0  # native order, as prometheus_client
+                capacity = size or initial
+                while capacity < max(used, 8) + _MP_HEADROOM:
+                    capacity *= 2
+                try:
+                    os.posix_fallocate(fd, 0, capacity)
+                except OSError as exc:
+                    if exc.errno in _NO_SPACE:
+                        raise OSError(
+                            exc.errno,
+                            f"multiprocess metrics: no space for new series in {self.directory} "
+                            f"({capacity} bytes of {os.path.basename(path)}): {exc.strerror}",
+                        ) from exc
+                    self.supported = False  # EOPNOTSUPP, EINVAL: this filesystem cannot reserve; nothing to do
+                    return
+            finally:
+                os.close(fd)
 
 
 def _exemplar(trace_id) -> dict[str, str] | None:
@@ -336,7 +404,13 @@ class PrometheusExporter:
         self._pub_inc: dict = {}  # counter child -> the total last published
         self._pub_obs: dict = {}  # op or _PEAK -> the counts per bucket last published
         self._aggregate = not self.multiprocess
+        self._mp_space: _MpSpace | None = None
+        self._mp_series: set = set()  # multiprocess gauge series written at least once (refresh)
         try:
+            if self.multiprocess:
+                modes = sorted({mode for *_, mode in _GAUGES})
+                self._mp_space = _MpSpace(self._mp_dir, ("counter", "histogram", *(f"gauge_{m}" for m in modes)))
+                self._mp_space.reserve()  # metrics without labels write their series as they are built
             self._build_event_metrics()
             if self._aggregate:
                 for m in (self._allocated, self._freed, self._evicted, self._op_duration, self._request_pages):
@@ -441,6 +515,8 @@ class PrometheusExporter:
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
+            if self._mp_space is not None:
+                self._mp_space.reserve()  # the child's series are written as it is made
             c = metric.labels(*self._const_values, *labels) if (self._const_values or labels) else metric
             self._children[key] = c
         return c
@@ -600,9 +676,18 @@ class PrometheusExporter:
         try:
             self._last_refresh = self._clock()
             fig = stats.figures(self._alloc.snapshot(wait=False))
-            for name, labels, value in self._gauge_values(fig):
+            gauges = list(self._gauge_values(fig))
+            dropped = self._alloc.bus.drop_counts()
+            series = self._mp_series
+            if self._mp_space is not None and (
+                any((name, labels) not in series for name, labels, _ in gauges)
+                or any(sink not in self._dropped_seen for sink in dropped)
+            ):
+                self._mp_space.reserve()  # a series is about to be written for the first time
+            for name, labels, value in gauges:
                 self._gauges[name].labels(*self._const_values, *labels).set(float(value))
-            for sink, n in self._alloc.bus.drop_counts().items():
+                series.add((name, labels))
+            for sink, n in dropped.items():
                 seen = self._dropped_seen.get(sink, 0)
                 child = self._dropped_counter.labels(*self._const_values, str(sink))
                 if n > seen:

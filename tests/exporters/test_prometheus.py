@@ -350,6 +350,127 @@ def test_multiprocess_needs_the_directory(monkeypatch):
     exp.close()
 
 
+# A filesystem that fills up under the multiprocess files (run in a child, on a small tmpfs of its own: see
+# _on_small_tmpfs). prometheus_client grows its files sparse and writes through mmap, so an unreserved write on a
+# full filesystem is a SIGBUS: the child would die with -7 instead of printing its RESULT.
+DISK_FULL_CHILD = r"""
+import errno, json, os, sys
+d = sys.argv[1]
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = d  # before prometheus_client is imported
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.prometheus import PrometheusExporter
+
+filler = os.path.join(d, "filler")
+
+
+def fill():
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (4096, 512, 1):  # to the last byte
+            while True:
+                try:
+                    if os.write(fd, bytes(size)) < size:
+                        break
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+    finally:
+        os.close(fd)
+
+
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+out = {}
+fill()  # 1. full before the exporter is built: a clear error, nothing subscribed
+try:
+    PrometheusExporter(w, const_labels={"engine": "e0"}, refresh_interval=0.0)
+    out["ctor"] = None
+except OSError as exc:
+    out["ctor"] = [exc.errno, str(exc)]
+out["sinks_after_failed_ctor"] = len(w.bus.sinks)
+os.remove(filler)
+
+exp = PrometheusExporter(w, const_labels={"engine": "e0"}, refresh_interval=0.0)
+fill()  # 2. full while it runs: the series that exist keep counting, the allocator never sees an error
+for _ in range(5):
+    slots = w.alloc(8)
+    w.step()
+    w.free(slots)
+    w.step()
+out["allocated"] = exp.registry.get_sample_value("kvalloc_pages_allocated_total", {"engine": "e0", "pool": "full"})
+out["errors_existing"] = exp.sink_errors
+# 3. new series on the full disk: each refusing sink adds an events_dropped series at the next refresh, until the
+# counters' file must grow and cannot: those refreshes fail, their batches are refused and counted.
+names = []
+for k in range(400):
+    def refuse(batch):
+        return False
+    refuse.name = f"refuser-{k:03d}"
+    names.append(refuse.name)
+    w.subscribe(refuse)
+    slots = w.alloc(4)
+    w.free(slots)
+    w.step()
+    if exp.sink_errors:
+        break
+out["refusers"] = len(names)
+out["sink_errors"] = exp.sink_errors
+out["last_error"] = exp.last_error
+out["bus_dropped"] = w.bus.dropped.get("prometheus", 0)
+out["available"] = w.available_size()
+os.remove(filler)  # 4. space again: the next refresh writes the new series
+slots = w.alloc(4)
+w.free(slots)
+w.step()
+exp.refresh()  # the step's refresh ran before the refusing sinks were handed that step's batch
+out["last_refuser"] = exp.registry.get_sample_value(
+    "kvalloc_events_dropped_total", {"engine": "e0", "sink": names[-1]}
+)
+out["last_refuser_bus"] = w.bus.dropped[names[-1]]
+exp.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _on_small_tmpfs(tmp_path, script: str, size: str) -> tuple[int, str, str]:
+    """Run ``script`` with a fresh tmpfs of ``size`` mounted at its argv[1], in a mount namespace of its own
+    (``unshare --user --map-root-user --mount``: no root needed where user namespaces are allowed). Returns
+    (returncode, stdout, stderr); a machine that cannot mount one there skips (fails under CI)."""
+    from tests.ci import missing
+
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    shell = 'mount -t tmpfs -o size="$2" tmpfs "$1" || { echo MOUNT-FAILED >&2; exit 97; }; exec "$3" -c "$4" "$1"'
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell, "sh", str(mnt), size, sys.executable]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    try:
+        p = subprocess.run([*cmd, script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        missing("unshare (util-linux) is needed to mount a small tmpfs for the full-disk test")
+    if p.returncode == 97 or (p.returncode != 0 and "unshare:" in p.stderr):
+        missing(f"cannot mount a small tmpfs in a user namespace here: {p.stderr.strip()[-300:]}")
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_multiprocess_full_disk_never_kills_the_engine(tmp_path):
+    # 4 files of 64 KiB reserved at construction (counters, histograms, two gauge modes) fit in 320 KiB.
+    rc, stdout, stderr = _on_small_tmpfs(tmp_path, DISK_FULL_CHILD, "320k")
+    assert rc == 0, f"child exited {rc} (-7: SIGBUS): {stderr[-3000:]}"
+    r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert r["ctor"][0] == errno.ENOSPC
+    assert "multiprocess metrics: no space for new series in" in r["ctor"][1] and "small-fs" in r["ctor"][1]
+    assert r["sinks_after_failed_ctor"] == 0
+    assert r["allocated"] == 5 * 2 and r["errors_existing"] == 0  # 8 slots = 2 pages, five times
+    # The counters' file could not grow: refreshes failed from then on, each refused batch counted by the bus.
+    assert 1 < r["refusers"] < 400 and r["sink_errors"] >= 1 and r["bus_dropped"] >= r["sink_errors"]
+    assert r["last_error"].startswith("OSError: [Errno 28] multiprocess metrics: no space for new series")
+    assert r["available"] == 64  # every page back: the allocator saw nothing of it
+    # Space again: the next refresh wrote the series the full disk had held back, with the bus's count.
+    assert r["last_refuser"] == r["last_refuser_bus"] >= 1, r
+
+
 # -- 5. failures never reach the allocator's caller -----------------------------------------------------------------
 def test_port_already_taken_names_the_port(run):
     _, exp = run()
