@@ -45,7 +45,11 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   ``RecorderError`` naming the path at construction. Any error of the writer later (disk full, I/O error, the file
   deleted or replaced under it) stops recording: one warning on the ``instrumented_alloc.recorder`` logger, the
   sink refuses every later batch (``alloc.bus.dropped["recorder"]`` grows), events that were queued or not yet
-  committed are counted in ``lost_events``; the allocator never sees an exception. Readers keep what was committed.
+  committed are counted in ``lost_events``, which the recorder registers with the bus (``add_loss_counter``), so
+  ``bus.drop_counts()["recorder"]`` and ``kvalloc_events_dropped_total{sink="recorder"}`` count every event it
+  was handed and did not store; the allocator never sees an exception. Readers keep what was committed. A
+  recorder that fails while it is being built removes the file it started (no half-made file is left to block
+  the path).
 
 Contracts (reader, ``Recording(path)``): read-only (SQLite ``mode=ro``); every query runs in its own read
 transaction, so a reader opened while the writer runs sees each new commit. A file that is not a recording (not
@@ -1005,6 +1009,23 @@ def _file_id(path: str):
     return (st.st_dev, st.st_ino)
 
 
+def _remove_recording(path: str) -> None:
+    """Remove the file at ``path`` and its WAL and shared-memory files, those that exist (best effort: a path we
+    cannot remove from stays as it is)."""
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(OSError):
+            os.remove(path + suffix)
+
+
+class _Tally:
+    """A running total that one thread writes and others read (an int attribute: reads are atomic)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
 def _is_recording(path: str) -> bool:
     """Whether ``path`` holds a flight recording (of any format version: ``overwrite=True`` may replace it)."""
     try:
@@ -1085,7 +1106,10 @@ class FlightRecorder:
         self._since_snap_queued = 0  # events queued since the last snapshot was taken
         # Writer state (writer thread); plain attributes read by others are GIL-atomic.
         self.failed: BaseException | None = None
-        self.lost_events = 0
+        # Events accepted and then never committed (the writer failed): a running total, written by the writer only
+        # and read by scrapes through the bus (add_loss_counter below), so kept in an object of its own: the bus
+        # holds that, not the recorder.
+        self._lost = _Tally()
         self._want_snapshot = False
         self._n_events = 0
         self._since_snap_events = 0
@@ -1112,9 +1136,14 @@ class FlightRecorder:
             except BaseException:
                 alloc.unsubscribe(self)
                 raise
-        except (sqlite3.Error, OSError) as exc:
+        except BaseException as exc:
             self._conn.close()
-            raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
+            _remove_recording(self.path)  # ours since _create: a half-made file would block the path for good
+            if isinstance(exc, (sqlite3.Error, OSError)):
+                raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
+            raise
+        lost = self._lost
+        alloc.bus.add_loss_counter(SINK_NAME, lambda: lost.n)
         self._thread = threading.Thread(target=self._writer, name=f"flight-recorder:{self.path}", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # an engine that exits without close() still finishes the file
@@ -1132,13 +1161,14 @@ class FlightRecorder:
                     f"cannot write flight recording {path!r}: a recording exists there (pass overwrite=True)"
                 )
         if overwrite or (os.path.exists(path) and os.path.getsize(path) == 0):
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path + suffix)
+            _remove_recording(path)
         alloc = self._alloc
+        # From here on the file at ``path`` is ours (absent, empty, or a recording we were allowed to replace):
+        # a failure removes what it left.
         try:
             conn = _open_writer(path)
         except (sqlite3.Error, OSError) as exc:
+            _remove_recording(path)
             raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
         try:
             snaps = alloc.snapshot()
@@ -1166,9 +1196,12 @@ class FlightRecorder:
                 "INSERT INTO meta (key, value) VALUES (?, ?)", [(k, _dumps(v).decode()) for k, v in meta.items()]
             )
             conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as exc:
+        except BaseException as exc:
             conn.close()
-            raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
+            _remove_recording(path)
+            if isinstance(exc, (sqlite3.Error, OSError)):
+                raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
+            raise
         return conn
 
     # -- the sink (engine thread) ---------------------------------------------------------------------------------
@@ -1261,8 +1294,15 @@ class FlightRecorder:
     # -- public API -------------------------------------------------------------------------------------------------
     @property
     def dropped(self) -> int:
-        """Events the sink refused (the bus's count for this sink)."""
+        """Events the sink refused (the bus's count for this sink); see also ``lost_events``."""
         return int(self._alloc.bus.dropped.get(SINK_NAME, 0))
+
+    @property
+    def lost_events(self) -> int:
+        """Events the sink accepted that were never committed (the writer failed with them queued or in its open
+        transaction). ``kvalloc_events_dropped_total{sink="recorder"}`` (``bus.drop_counts()``) counts these and the
+        refused ones (``bus.dropped``)."""
+        return self._lost.n
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued so far is committed. True on success, False after a failure or timeout.
@@ -1324,9 +1364,9 @@ class FlightRecorder:
                 if isinstance(item, _Flush):
                     item.done.set()
                 elif type(item) is list:
-                    self.lost_events += len(item) >> 1
+                    self._lost.n += len(item) >> 1
                 elif isinstance(item, tuple):
-                    self.lost_events += len(item[0]) // 2
+                    self._lost.n += len(item[0]) // 2
                 continue
             try:
                 plain = type(item) is list  # a batch queued as it is (see __call__)
@@ -1366,7 +1406,7 @@ class FlightRecorder:
                         self._finish(item)
                         break
             except Exception as exc:
-                self.lost_events += uncommitted
+                self._lost.n += uncommitted
                 self._block, self._rows, self._seg_rows, self._rid_rows, self._vrows = None, [], [], [], []
                 self._kindsets, self._new_kindsets = set(), []
                 self._deflate = _deflater()
@@ -1626,7 +1666,7 @@ class FlightRecorder:
             [
                 ("end_time", _dumps(stop.end_time).decode()),
                 ("events_dropped", _dumps(stop.dropped).decode()),
-                ("events_lost", _dumps(self.lost_events).decode()),
+                ("events_lost", _dumps(self._lost.n).decode()),
             ],
         )
         conn.execute("COMMIT")
@@ -1704,6 +1744,15 @@ class Recording:
             except sqlite3.DatabaseError as exc:
                 raise RecordingError(f"{self.path}: cannot read the recording ({exc})") from exc
 
+    @contextlib.contextmanager
+    def _parsing(self, what: str):
+        """Values read from the file turned into Python ones: a value a corrupt file holds (text where a number
+        belongs, a malformed JSON document) raises ``RecordingError`` naming the file, not a bare ValueError."""
+        try:
+            yield
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RecordingError(f"{self.path}: {what} cannot be read ({type(exc).__name__}: {exc})") from exc
+
     def _read_meta(self) -> dict:
         out = {}
         for k, v in self._conn.execute("SELECT key, value FROM meta"):
@@ -1756,11 +1805,12 @@ class Recording:
             top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
         if first is None:
             raise RecordingError(f"{self.path}: the recording has no snapshot")
-        return int(first), int(max(x for x in (last, top) if x is not None))
+        with self._parsing("the step range"):
+            return int(first), int(max(x for x in (last, top) if x is not None))
 
     def snapshot_steps(self) -> list[int]:
         """The steps of the stored snapshots (the bases replay starts from)."""
-        with self._read() as conn:
+        with self._read() as conn, self._parsing("the snapshots' steps"):
             return [int(r[0]) for r in conn.execute("SELECT step FROM snapshots GROUP BY seq ORDER BY seq")]
 
     def violations(self, start: int | None = None, stop: int | None = None) -> list[Violation]:
@@ -1827,7 +1877,8 @@ class Recording:
     def state_at(self, step: int) -> ReplayState:
         """Pages and ledger at step ``step``: the nearest snapshot at or before it plus the events up to that
         step's boundary (``instrumented_alloc.replay``). ValueError when the step is not in the recording (or
-        retention removed it); ``replay.IncompleteHistory`` when events between the base and the step were lost."""
+        retention removed it); ``replay.IncompleteHistory`` when events between the base and the step were lost,
+        the step's own boundary among them."""
         step = int(step)
         with self._read() as conn:
             end = conn.execute(
@@ -1844,6 +1895,12 @@ class Recording:
                 first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
                 last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
                 last = first if last is None else last
+                if first is not None and first <= step <= last:
+                    # Inside the range, yet no boundary: the batch that carried it was refused (the queue was full).
+                    raise replay.IncompleteHistory(
+                        f"{self.path}: step {step}: its step boundary was lost with the events around it (the "
+                        f"recorder's queue was full), so its state cannot be rebuilt (steps {first}..{last})"
+                    )
                 raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
             snap_rows = conn.execute(
                 "SELECT step, pool, owner, ledger FROM snapshots WHERE seq = ? ORDER BY rowid", (base_seq,)
@@ -1883,7 +1940,7 @@ class Recording:
     # the whole recording) ------------------------------------------------------------------------------------
     def event_count(self) -> int:
         """Number of stored events (retention and lost events excluded)."""
-        with self._read() as conn:
+        with self._read() as conn, self._parsing("the event count"):
             return int(conn.execute("SELECT coalesce(sum(n), 0) FROM blocks").fetchone()[0])
 
     def violation_counts(self, start: int | None = None, stop: int | None = None) -> dict[str, int]:
@@ -1902,19 +1959,23 @@ class Recording:
         boundaries, every k-th step counted from the first (k the smallest stride that fits)."""
         where, args = _step_range(start, stop)
         where += (" AND " if where else " WHERE ") + "boundary IS NOT NULL"
+        max_points = max(1, int(max_points))
         with self._read() as conn:
             lo, hi, n = conn.execute(f"SELECT min(step), max(step), count(*) FROM segments{where}", args).fetchone()
             if not n:
                 return []
-            stride = max(1, -(-(int(hi) - int(lo) + 1) // max(1, int(max_points))))
+            with self._parsing("the step boundaries"):
+                lo, hi = int(lo), int(hi)
+            stride = max(1, -(-(hi - lo + 1) // max_points))
             rows = conn.execute(
                 f"SELECT step, available FROM segments{where} AND (step - ?) % ? = 0 ORDER BY step, boundary",
-                [*args, int(lo), stride],
+                [*args, lo, stride],
             ).fetchall()
         out = {}
-        for step, available in rows:
-            out[int(step)] = json.loads(available)  # the last boundary wins
-        return sorted(out.items())
+        with self._parsing("the step boundaries"):
+            for step, available in rows:
+                out[int(step)] = json.loads(available)  # the last boundary wins
+            return sorted(out.items())
 
     def event_counts(
         self, kinds: Iterable, start: int | None = None, stop: int | None = None, *, bucket: int = 1
@@ -1936,14 +1997,15 @@ class Recording:
             sql = f"SELECT (step / ?) * ? AS b, counts FROM segments{where}"
             rows = conn.execute(sql, [bucket, bucket, *args]).fetchall()
         per: dict[str, dict] = {n: {} for n in names}
-        for b, counts in rows:
-            for code, n in json.loads(counts).items():
-                name = codes.get(code)
-                if name is not None:
-                    d = per[name]
-                    d[b] = d.get(b, 0) + n
-        for name, d in per.items():
-            out[name] = sorted((int(b), int(n)) for b, n in d.items())
+        with self._parsing("the event counts"):
+            for b, counts in rows:
+                for code, n in json.loads(counts).items():
+                    name = codes.get(code)
+                    if name is not None:
+                        d = per[name]
+                        d[b] = d.get(b, 0) + n
+            for name, d in per.items():
+                out[name] = sorted((int(b), int(n)) for b, n in d.items())
         return out
 
     def request_span(self, rid) -> tuple[int, int] | None:
@@ -1956,7 +2018,8 @@ class Recording:
             b = conn.execute("SELECT min(step), max(step) FROM violations WHERE rid = ?", (rid,)).fetchone()
         lows = [x for x in (a[0], b[0]) if x is not None]
         highs = [x for x in (a[1], b[1]) if x is not None]
-        return (int(min(lows)), int(max(highs))) if lows else None
+        with self._parsing(f"the steps of request {rid!r}"):
+            return (int(min(lows)), int(max(highs))) if lows else None
 
 
 def _step_range(start, stop) -> tuple[str, list]:

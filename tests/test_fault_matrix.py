@@ -379,7 +379,8 @@ def test_recording_write_fault(tmp_path, monkeypatch, caplog, fault):
         expected = {"disk_full": "full", "read_only": "readonly", "deleted": "deleted"}[fault]
         assert str(path) in message and expected in message, message
         dropped = h.w.bus.dropped["recorder"]
-        assert dropped > 0 and h.dropped("recorder") == dropped
+        # The metric: refused batches (the bus) and events taken but never committed (lost_events) alike.
+        assert dropped > 0 and rec.lost_events > 0 and h.dropped("recorder") == dropped + rec.lost_events
         assert h.dropped("prometheus") == 0 and h.dropped("tap") == 0
         rec.close()
         assert len(records(caplog, "instrumented_alloc")) == 1  # closing does not warn again
@@ -389,6 +390,7 @@ def test_recording_write_fault(tmp_path, monkeypatch, caplog, fault):
             with Recording(path) as r:
                 committed = len(list(r.events()))
             assert committed > 0 and committed + rec.lost_events + dropped == h.tap.n_events
+            assert committed + h.dropped("recorder") == h.tap.n_events  # nothing missing from the metric
 
         # Recovery: the engine keeps running; a new recorder on a healthy file records everything from then on.
         monkeypatch.setattr(recorder_mod, "_open_writer", real_open)
@@ -401,6 +403,7 @@ def test_recording_write_fault(tmp_path, monkeypatch, caplog, fault):
         with Recording(tmp_path / "after.db") as r:
             assert len(list(r.events())) == h.tap.n_events - before
         assert h.w.bus.dropped["recorder"] == dropped  # the new recorder dropped nothing
+        assert h.dropped("recorder") == dropped + rec.lost_events  # and lost nothing: the total stands
         h.check_unaffected()
     finally:
         rec.close()

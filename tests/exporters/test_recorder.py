@@ -40,7 +40,7 @@ from exporters.recorder import (
 )
 from instrumented_alloc import Violation
 from instrumented_alloc import events as ev
-from instrumented_alloc.replay import EventsLost
+from instrumented_alloc.replay import EventsLost, IncompleteHistory
 from tests.engine_model import Req, t
 from tests.test_wrapper_properties import Engine
 
@@ -628,6 +628,68 @@ def test_unwritable_path_fails_at_construction(tmp_path):
         FlightRecorder(e.w, tmp_path / "x.db", meta={"pools": 1})
 
 
+@pytest.mark.parametrize("stage", ["schema", "first snapshot"])
+def test_a_failed_construction_leaves_no_file_behind(tmp_path, monkeypatch, stage):
+    # A disk that fills while the recorder is being built: the error names the path, and the file it started is
+    # removed, so the next attempt at that path (make demo reuses one) works, with or without overwrite=True.
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "r.db"
+    real_open = recorder_mod._open_writer
+    if stage == "schema":
+
+        def full_disk(p):
+            conn = real_open(p)
+            conn.execute("PRAGMA max_page_count = 1")  # "database or disk is full" at the first table
+            return conn
+
+        monkeypatch.setattr(recorder_mod, "_open_writer", full_disk)
+    else:
+
+        def full_disk(self, step, seq, snaps):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(FlightRecorder, "_write_snapshot", full_disk)
+    sinks_before = e.w.bus.sinks
+    with pytest.raises(RecorderError, match="database or disk is full") as info:
+        FlightRecorder(e.w, path)
+    assert str(path) in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == []  # neither the file nor its -wal / -shm
+    assert e.w.bus.sinks == sinks_before  # nothing stays subscribed
+    monkeypatch.undo()
+    for overwrite in (False, True):
+        FlightRecorder(e.w, path, overwrite=overwrite).close()
+    with Recording(path) as r:
+        assert r.steps() == (0, 0)
+
+
+def test_corrupt_values_are_a_clear_error(tmp_path):
+    # A file whose rows hold what the recorder never writes (text where a step number or a JSON document belongs):
+    # the readers' aggregates raise RecordingError naming the file, as the rest of the reader does.
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "r.db"
+    with FlightRecorder(e.w, path, snapshot_every=2):
+        drive(e, RandomPick(4), 40, lambda e: None)
+    checks = (
+        ("UPDATE segments SET step = 'y' WHERE rowid = (SELECT max(rowid) FROM segments)", "step_series",
+         "the step boundaries cannot be read"),
+        ("UPDATE segments SET available = '{x' WHERE boundary IS NOT NULL", "step_series",
+         "the step boundaries cannot be read"),
+        ("UPDATE segments SET counts = '[1' ", "event_counts", "the event counts cannot be read"),
+        ("UPDATE snapshots SET step = 'y'", "steps", "the step range cannot be read"),
+    )  # fmt: skip
+    for i, (sql, method, message) in enumerate(checks):
+        bad = tmp_path / f"bad{i}.db"
+        with sqlite3.connect(path) as src, sqlite3.connect(bad) as dst:
+            src.backup(dst)
+        with sqlite3.connect(bad) as c:
+            c.execute(sql)
+        with Recording(bad) as r:
+            call = getattr(r, method)
+            with pytest.raises(RecordingError) as info:
+                call(["Alloc"]) if method == "event_counts" else call()
+        assert str(info.value).startswith(f"{bad}: {message} (")
+
+
 def _run_until_failure(e: Engine, rec: FlightRecorder, snaps: dict, pick) -> None:
     def on_step(e):
         snaps[e.w.step_count] = e.w.snapshot()
@@ -668,6 +730,9 @@ def test_write_fault_mid_run_stops_recording_quietly(tmp_path, monkeypatch, capl
     assert list(e.w.violations) == []
     rec.close()
     assert len(warnings_of(caplog)) == 1  # closing does not warn again
+    # What the sink took and the writer then lost counts with what it refused (kvalloc_events_dropped_total).
+    assert rec.lost_events > 0
+    assert e.w.bus.drop_counts()["recorder"] == e.w.bus.dropped["recorder"] + rec.lost_events
     if fault == "disk_full":
         with Recording(path) as r:  # what was committed stays readable and right
             _, last = r.steps()
@@ -777,15 +842,21 @@ def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
         assert r.meta["events_dropped"] == e.w.bus.dropped["recorder"]
         resync = [s for s in r.snapshot_steps() if s > 0]
         assert resync and resync[0] >= lost[0].step, "a snapshot after the gap lets replay resume"
-        missing = []
+        missing, boundary_lost = [], []
         for step, s in snaps.items():
             try:
                 state = r.state_at(step)
-            except ValueError:
+            except IncompleteHistory as exc:  # not "not in the recording": every step is inside its range
                 missing.append(step)
+                if "its step boundary was lost" in str(exc):
+                    boundary_lost.append(step)
                 continue
             assert_state_equals(state, s, step)
         assert missing and missing == list(range(missing[0], resync[0]))  # the steps whose boundaries were dropped
+        # The steps whose own boundary was refused say so; the later ones cannot cross the gap's marker.
+        with r._read() as conn:
+            recorded = {int(x) for (x,) in conn.execute("SELECT step FROM segments WHERE boundary IS NOT NULL")}
+        assert boundary_lost and boundary_lost == [step for step in missing if step not in recorded]
 
 
 # -- hashed request ids --------------------------------------------------------------------------------------------
