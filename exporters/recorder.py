@@ -1446,7 +1446,8 @@ class FlightRecorder:
         self._stopped = True
         logger.warning(
             "flight recorder %s stopped recording: %s: %s; later events are dropped "
-            "(counted in alloc.bus.dropped[%r]); what was committed stays readable",
+            "(counted, with the events it had taken and not committed, in alloc.bus.drop_counts()[%r]: "
+            "kvalloc_events_dropped_total); what was committed stays readable",
             self.path,
             type(exc).__name__,
             exc,
