@@ -203,7 +203,23 @@ class KvLedger:
 
     def release(self, rid, *, leaked: bool) -> int:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""
+        slot = self.detach(rid)
+        self.release_slot(slot, leaked=leaked)
+        return slot
+
+    def detach(self, rid) -> int:
+        """Forget the id ``rid`` now (KeyError when unknown) and return its slot, which stays as it is (its values,
+        its pages, its id for events and messages: ``rid_of``) until ``release_slot``: deferred verification
+        releases a request at the call and checks its slot later. The id is unknown from here on (a second
+        release is refused at once) and names a new request, with a slot of its own, when it is bound again."""
         slot = self._rid_to_slot.pop(rid)
+        self.version += 1
+        self.epoch += 1
+        self._live_cache = None
+        return slot
+
+    def release_slot(self, slot: int, *, leaked: bool) -> None:
+        """Release a detached slot: reused unless it still owns pages (``leaked``)."""
         self.version += 1
         self.epoch += 1
         self.live[slot] = False
@@ -218,7 +234,6 @@ class KvLedger:
             self.peak_pages[slot] = 0
             self._slot_rid[slot] = None
             self._free_slots.append(slot)
-        return slot
 
     def reset(self, slot: int) -> None:
         """The request holds no KV any more (all its pages were freed: finished or retracted)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import inspect
 import operator
 import threading
@@ -977,7 +978,11 @@ class InstrumentedAllocator:
             if st.fold is not None:
                 self._flush_fold()  # before the release resets the request's ledger values
             if st.deferred:
-                self._slot_tier(lambda: self._do_release(rid))
+                # The id is forgotten now, its slot checked and released in call order (behind the queued checks
+                # that still name it): a second release of the id is refused here, as under immediate
+                # verification, and a request that takes the id again gets a slot of its own.
+                slot = st.ledger.detach(rid)
+                self._slot_tier(lambda: self._do_release(rid, slot))
             else:
                 self._do_release(rid)  # what _slot_tier does at once in immediate mode, without the closure
             if st.events or st.to_raise or st.want_pages:
@@ -2399,14 +2404,22 @@ class InstrumentedAllocator:
         tensors = [t for _, _, ts in parts for t in ts]
         shapes = [len(ts) for _, _, ts in parts]
 
-        def deferred(*arrays):
+        def deferred(*arrays, only=None):
             grouped, i = [], 0
             for k in shapes:
                 grouped.append(arrays[i : i + k])
                 i += k
-            apply_all(plan_all(grouped))
+            plans = plan_all(grouped)
+            if only is not None:  # the inner raised: the pools it changed (see _mirror_on_failure)
+                plans = [(pool, plan) for pool, plan in plans if pool.name in only]
+                if not plans:
+                    return
+            apply_all(plans)
 
-        with self._mirror_on_failure(lambda: self._slot_tier(deferred, *tensors)):
+        def mirror_changed(changed):
+            self._slot_tier(functools.partial(deferred, only=changed), *tensors)
+
+        with self._mirror_on_failure(mirror_changed):
             result = timed_forward()
         self._slot_tier(deferred, *tensors)
         self._finish()
@@ -2437,7 +2450,9 @@ class InstrumentedAllocator:
     def _forward_free(self, op: str, forward: Callable, plans: list, st: _CallState):
         """Forward a checked immediate free, then mirror its plans (and deliver). If the inner raises after
         changing its free lists (SGLang's post-condition asserts do), the change is mirrored before the exception
-        propagates; if it raised before changing anything, nothing is. ``st``: the wrapper's ``_CallState``."""
+        propagates, pool by pool: the plans of the pools whose free lists changed (an SWA free that asserts after
+        releasing its SWA pages and before its full ones mirrors the SWA plan alone); if it raised before changing
+        anything, nothing is. ``st``: the wrapper's ``_CallState``."""
         # _mirror_on_failure, inlined (a generator context manager costs a few microseconds per free). Our token
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = st.pools.values()
@@ -2448,9 +2463,12 @@ class InstrumentedAllocator:
         try:
             result = forward()
         except BaseException:
-            if before is not None and before != [p.probe() for p in pools]:
-                self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
-                self._deliver()
+            if before is not None:
+                changed = [p for p, b in zip(pools, before) if b != p.probe()]
+                done = [(pool, plan) for pool, plan in plans if pool in changed]
+                if done:
+                    self._apply_frees(op, done, clock() - t0 if timed else 0.0, st)
+                    self._deliver()
             raise
         self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
         if st.bus.active or st.to_raise or st.events:
@@ -2471,13 +2489,16 @@ class InstrumentedAllocator:
     @contextlib.contextmanager
     def _mirror_on_failure(self, mirror: Callable):
         """If the inner raises after changing its free lists (SGLang's post-condition asserts do), mirror the
-        change before the exception propagates; if it raised before changing anything, mirror nothing."""
-        before = [p.entries() for p in self._w_st.pools.values()]
+        change before the exception propagates: ``mirror(changed)``, ``changed`` the names of the pools whose free
+        lists changed; if it raised before changing anything, mirror nothing."""
+        pools = self._w_st.pools.values()
+        before = [p.entries() for p in pools]
         try:
             yield
         except BaseException:
-            if before != [p.entries() for p in self._w_st.pools.values()]:
-                mirror()
+            changed = frozenset(p.name for p, b in zip(pools, before) if b != p.entries())
+            if changed:
+                mirror(changed)
                 self._deliver()
             raise
 
@@ -2739,10 +2760,12 @@ class InstrumentedAllocator:
             led.reset(int(s))
         led.tainted.clear()
 
-    def _do_release(self, rid) -> None:
+    def _do_release(self, rid, detached: int | None = None) -> None:
+        """Check and release request ``rid``; ``detached``: its slot, when the id was already detached from it
+        (deferred verification, see ``release_request``)."""
         st = self._w_st
         led = st.ledger
-        slot = led.slot_of(rid, create=False)
+        slot = led.slot_of(rid, create=False) if detached is None else detached
         owned = led.owned
         total = 0
         for a in owned.values():
@@ -2764,7 +2787,10 @@ class InstrumentedAllocator:
         skipped = st.bus.skipped_frees
         if skipped:  # the slot may be reused after the release (see events.py)
             skipped.pop(slot, None)
-        led.release(rid, leaked=total > 0)
+        if detached is None:
+            led.release(rid, leaked=total > 0)
+        else:
+            led.release_slot(slot, leaked=total > 0)
         led.tainted.discard(slot)
 
     def _boundary_checks(self, op: str, *, every_request: bool = False) -> None:
