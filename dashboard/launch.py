@@ -116,6 +116,19 @@ def _free(port: int) -> int:
         return sock.getsockname()[1]
 
 
+def require_streamlit() -> None:
+    """ImportError naming the extra when streamlit is not installed: the app runs as ``python -m streamlit``, so
+    nothing here imports it, and without this check the child would only fail after the URL was announced."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("streamlit")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise ImportError("No module named 'streamlit'")
+
+
 def start(recording=None, *, port: int = 8501, directory=None, refresh: float | None = None) -> Server:
     """Start the dashboard in the background (e.g. next to a running demo) and return at once; the caller
     stops it (``Server.stop``). ValueError for bad arguments, OSError when the port is taken."""
@@ -130,7 +143,9 @@ def launch(recording=None, *, port: int = 8501, directory=None, refresh: float |
     """Run the dashboard in the foreground until interrupted; returns streamlit's exit status.
 
     The app runs as a child process and never outlives this one: SIGTERM (a service manager, a test) is forwarded
-    to it, and Ctrl-C (which the terminal sends to both) waits for it to stop, terminating it after 15 s."""
+    to it, and Ctrl-C (which the terminal sends to both) waits for it to stop, terminating it after 15 s.
+    OSError naming the port when it is taken (port 0: a free one is picked and printed), before anything starts."""
+    port = _free(int(port))
     argv, env = command(recording, port=port, directory=directory, refresh=refresh)
     print(f"dashboard: http://127.0.0.1:{port}  (recordings under {env[ENV_DIR]})", flush=True)
     proc = subprocess.Popen(argv, env=env)

@@ -49,7 +49,9 @@ def _demo(args: argparse.Namespace) -> int:
                 trace = parse_trace(f, source=args.trace)
         except OSError as exc:
             raise UsageError(f"trace {args.trace}: {exc.strerror or exc}") from None
-        except (TraceError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"trace {args.trace}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except TraceError as exc:
             raise UsageError(str(exc)) from None
     try:
         engine = build_engine(
@@ -122,6 +124,19 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
     alloc = engine.alloc
     if args.mode == "off" and (args.record or args.metrics_port is not None or args.otlp_endpoint):
         raise UsageError("--mode off records and exports nothing; drop --record/--metrics-port/--otlp-endpoint")
+    if args.max_bytes is not None and (args.max_bytes < 1 or not args.record):
+        raise UsageError(
+            f"--max-bytes must be >= 1, got {args.max_bytes}" if args.max_bytes < 1 else "--max-bytes needs --record"
+        )
+    if args.otlp_endpoint:
+        import urllib.parse
+
+        url = urllib.parse.urlsplit(args.otlp_endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UsageError(
+                f"--otlp-endpoint {args.otlp_endpoint!r}: expected an http:// or https:// URL "
+                "(e.g. http://127.0.0.1:4318/v1/traces)"
+            )
     hasher = None
     if args.hash_request_ids and (args.record or args.otlp_endpoint):  # metrics carry no request ids
         from instrumented_alloc.redact import RequestIdHasher
@@ -129,17 +144,17 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
         hasher = RequestIdHasher.random()  # one key for this run, kept by nobody; shared so that ids still join
         print("request ids: hashed (HMAC-SHA256, a random key for this run) in the recording and the spans", flush=True)
     if args.metrics_port is not None:
-        from exporters.prometheus import PrometheusExporter
+        PrometheusExporter = _extra("exporters.prometheus", "prometheus").PrometheusExporter
 
         prom = PrometheusExporter(alloc, const_labels={"engine": args.engine_label})
         closers.append(prom.close)
         try:
             port = prom.serve(args.metrics_port, addr=args.metrics_addr)
         except OSError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(exc.strerror or str(exc)) from None  # the message, without its "[Errno N]"
         print(f"metrics: http://{args.metrics_addr}:{port}/metrics", flush=True)
     if args.otlp_endpoint:
-        from exporters.otel import OtelExporter
+        OtelExporter = _extra("exporters.otel", "otel").OtelExporter
 
         otel = OtelExporter(alloc, endpoint=args.otlp_endpoint, hash_request_ids=hasher)
         closers.append(otel.shutdown)
@@ -160,7 +175,9 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
                 hash_request_ids=hasher,
             )
         except (RecorderError, OSError, ValueError) as exc:
-            raise UsageError(f"--record {args.record}: {exc}") from None
+            # The recorder speaks to Python callers; on the command line the keyword is the flag.
+            message = str(exc).replace("(pass overwrite=True)", "(--overwrite replaces it)")
+            raise UsageError(f"--record {args.record}: {message}") from None
         closers.append(rec.close)
         print(f"recording: {os.path.abspath(args.record)}", flush=True)
         if args.dashboard:
@@ -171,7 +188,9 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
 
 def _open_dashboard(args, closers: list) -> None:
     try:
-        from dashboard.launch import start  # the Streamlit app; optional extra
+        from dashboard.launch import require_streamlit, start  # the Streamlit app; optional extra
+
+        require_streamlit()
     except ImportError as exc:
         extra = "pip install 'instrumented-alloc[dashboard]'"
         raise UsageError(f"--dashboard needs the dashboard extra ({extra}): {exc}") from None
@@ -244,6 +263,11 @@ def _summary(engine, how: str, findings, elapsed: float) -> None:
     print(occ)
     for f in engine.fired:
         print(f"injected {f.fault} at step {f.step}: {f.detail} (expects {f.invariant})")
+    for inj in engine.unfired():
+        # Asked for and never done (no request it could act on from its step to the end): said, so that a clean
+        # run is not taken for a fault the wrapper missed.
+        print(f"{PROG}: warning: --inject {inj.fault.name}@{inj.step} never fired (from step {inj.step} to the "
+              "end no request gave it a chance)", file=sys.stderr)
     if engine.wrapped and engine.ledger is not None:
         counts = engine.alloc.violation_counts
         if counts:
@@ -356,14 +380,28 @@ def _table(rows, right=frozenset()) -> None:
 
 # -- presets / dashboard --------------------------------------------------------------------------------------------
 def _dashboard(args: argparse.Namespace) -> int:
+    if args.refresh is not None and args.refresh < 1:
+        raise UsageError(f"--refresh must be >= 1 second, got {args.refresh:g}")
     try:
-        from dashboard.launch import launch  # the Streamlit app; optional extra
+        from dashboard.launch import launch, require_streamlit  # the Streamlit app; optional extra
+
+        require_streamlit()
     except ImportError as exc:
         raise UsageError(f"needs the dashboard extra (pip install 'instrumented-alloc[dashboard]'): {exc}") from None
     try:
         return launch(args.recording, port=args.port, directory=args.dir, refresh=args.refresh)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
+
+
+def _extra(name: str, extra: str):
+    """Import the exporter module ``name``; a missing optional dependency is bad input (exit 2) naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise UsageError(f"needs the {extra} extra (pip install 'instrumented-alloc[{extra}]'): {exc}") from None
 
 
 def _presets(args: argparse.Namespace) -> int:

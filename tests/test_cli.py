@@ -87,6 +87,12 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
     not_rec.write_text("hello\n")
     empty = tmp_path / "empty.sqlite"
     empty.write_bytes(b"")
+    binary_trace = tmp_path / "bin.jsonl"
+    binary_trace.write_bytes(b"\xff\xfe{}\n")
+    negative_trace = tmp_path / "neg.jsonl"
+    negative_trace.write_text('{"arrival": -1, "prompt_len": 100, "output_len": 20}\n')
+    existing = tmp_path / "run.sqlite"
+    assert _run("demo", "--steps", "3", "--record", existing).returncode == 0
     cases = [
         (("demo", "--preset", "nope"), ["unknown preset 'nope'"]),
         (("demo", "--inject", "nope"), ["unknown fault 'nope'"]),
@@ -104,9 +110,52 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
         (("check", str(not_rec)), ["notes.txt", "not a flight recording"]),
         (("check", str(empty)), ["empty.sqlite", "not a flight recording"]),
         (("replay", str(not_rec), "--step", "1"), ["not a flight recording"]),
+        (("demo", "--trace", str(binary_trace)), [f"trace {binary_trace}: not UTF-8 text"]),
+        (("demo", "--trace", str(negative_trace)), [f"{negative_trace}:1: arrival must be >= 0 steps, got -1"]),
+        (("demo", "--steps", "5", "--otlp-endpoint", "notaurl"), ["--otlp-endpoint 'notaurl': expected an http://"]),
+        (("demo", "--steps", "5", "--otlp-endpoint", "ftp://x"), ["--otlp-endpoint 'ftp://x': expected an http://"]),
+        (("demo", "--steps", "5", "--max-bytes", "-5"), ["--max-bytes must be >= 1, got -5"]),
+        (("demo", "--steps", "5", "--max-bytes", "4096"), ["--max-bytes needs --record"]),
+        (("demo", "--steps", "3", "--record", str(existing)), ["a recording exists there (--overwrite replaces it)"]),
+        (("dashboard", "--dir", str(tmp_path), "--refresh", "0.5"), ["--refresh must be >= 1 second, got 0.5"]),
+        (("dashboard", "--dir", str(tmp_path), "--port", str(taken_port)), [f"port {taken_port} on 127.0.0.1 is"]),
     ]
     for args, needles in cases:
         _one_line_error(_run(*args), *needles)
+    # The port's message as serve() words it, without the "[Errno 98]" of the OSError's str().
+    res = _run("demo", "--steps", "5", "--metrics-port", str(taken_port))
+    assert res.stderr.startswith(f"instrumented-alloc demo: error: metrics port {taken_port} on 127.0.0.1 is already")
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "extra"),
+    [
+        ("exporters.prometheus", ["--metrics-port", "0"], "prometheus"),
+        ("exporters.otel", ["--otlp-endpoint", "http://127.0.0.1:9/v1/traces"], "otel"),
+        ("streamlit", ["--record", "{tmp}/r.sqlite", "--dashboard", "--dashboard-port", "0"], "dashboard"),
+    ],
+)
+def test_a_missing_extra_is_named(tmp_path, monkeypatch, capsys, module, args, extra):
+    # The base package needs torch and numpy only: an exporter whose optional dependency is not installed is bad
+    # input naming the extra to install (exit 2, one line), never a traceback or a URL that will not answer.
+    monkeypatch.setitem(sys.modules, module, None)  # imports of it fail as if it were not installed
+    rc = cli.main(["demo", "--steps", "3", *(a.replace("{tmp}", str(tmp_path)) for a in args)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("instrumented-alloc demo: error: ") and f"pip install 'instrumented-alloc[{extra}]'" in err
+    if extra == "dashboard":
+        monkeypatch.setitem(sys.modules, module, None)
+        assert cli.main(["dashboard", "--dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("instrumented-alloc dashboard: error: needs the dashboard extra") and "http" not in err
+
+
+def test_a_fault_that_never_fired_is_said(tmp_path):
+    # Asked for at the run's last step, where pd-decode has no request to free twice: said on stderr, not silent.
+    res = _run("demo", "--preset", "pd-decode", "--steps", "300", "--inject", "double-free@299")
+    assert res.returncode == 0, res.stderr
+    assert "instrumented-alloc: warning: --inject double-free@299 never fired" in res.stderr
+    assert "violations: none" in res.stdout and "injected double-free" not in res.stdout
 
 
 def test_a_clean_run_checks_clean_and_replays(tmp_path):

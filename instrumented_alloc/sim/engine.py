@@ -210,6 +210,11 @@ class SimEngine:
             return self.inner.full_available_size() // self.ps, self.inner.swa_available_size() // self.ps
         return self.inner.available_size() // self.ps, 0
 
+    def unfired(self) -> list:
+        """The injections that have not fired (yet): armed ones waiting for their chance (a request to act on),
+        then those whose step has not come."""
+        return [*self._armed, *self._pending]
+
     def occupancy(self) -> tuple[float, float]:
         full, swa = self.free_pages()
         return 1 - full / self._full_pages, (1 - swa / self._swa_pages) if self._swa_pages else 0.0

@@ -69,6 +69,8 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[RequestSpec
         arrival = rec["arrival"]
         if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival):
             raise TraceError(f"{where}: arrival must be a number of steps, got {arrival!r}")
+        if arrival < 0:
+            raise TraceError(f"{where}: arrival must be >= 0 steps, got {arrival!r}")
         if arrival < last:
             raise TraceError(f"{where}: arrival {arrival} is earlier than the line before ({last})")
         lens = []
