@@ -706,6 +706,13 @@ class PoolShadow:
         if self.need_sort:
             self.n_staged += n
 
+    def group_abandon(self) -> None:
+        """The inner left its free group without releasing this pool's held pages (its ``free_group_end`` raised
+        before it got to them): they stay held, neither free nor owned, as they are in the inner (lost to it), and
+        later frees are immediate again. The count of expected entries does not change."""
+        self.in_group = False
+        self.held_set, self.held_ids = [], []
+
     def merged(self) -> None:
         """The inner merged its need_sort staging into the free list."""
         if self.n_staged:

@@ -2224,11 +2224,20 @@ class InstrumentedAllocator:
         return self._forward_then_mirror("merge_and_sort_free", self._merged)
 
     def _forward_then_mirror(self, name: str, mirror: Callable):
-        """Argument-free state transitions: forward, then mirror them in the shadow in call order."""
+        """Argument-free state transitions: forward, then mirror them in the shadow in call order. A
+        ``free_group_end`` that raises (SGLang's post-condition asserts fire inside its free of the held pages) is
+        mirrored as far as the inner got: ``_group_end_failed``."""
         st = self._w_st
         with st.lock:
             st.op = name
-            result = getattr(st.inner, name)()
+            pools = st.pools.values()
+            before = [p.entries() for p in pools] if name == "free_group_end" else None
+            try:
+                result = getattr(st.inner, name)()
+            except BaseException:
+                if before is not None:
+                    self._group_end_failed(st, frozenset(p.name for p, b in zip(pools, before) if b != p.entries()))
+                raise
             if st.deferred:
                 self._slot_tier(mirror)  # behind the queued checks
             else:
@@ -2746,6 +2755,30 @@ class InstrumentedAllocator:
     def _group_end(self) -> None:
         for p in self._w_st.pools.values():
             p.shadow.group_end()
+
+    def _group_end_failed(self, st: _CallState, changed: frozenset) -> None:
+        """The inner's ``free_group_end`` raised. The pools whose free lists changed released their held pages:
+        their group ends in the shadow. The others' held pages were not released; if the inner left its group
+        (``free_group`` None, as SGLang's and ours leave it before freeing), they are lost to it: the shadow
+        leaves the group and keeps them held (``PoolShadow.group_abandon``). If the inner changed nothing and is
+        still in its group, nothing is mirrored. In call order (behind the queued checks, when deferred)."""
+        group = getattr(st.inner, "free_group", _ABSENT)
+        left = bool(changed) if group is _ABSENT else group is None
+        if not changed and not left:
+            return
+
+        def mirror():
+            for p in st.pools.values():
+                if p.name in changed:
+                    p.shadow.group_end()
+                elif left:
+                    p.shadow.group_abandon()
+
+        if st.deferred:
+            self._slot_tier(mirror)
+        else:
+            mirror()
+        self._deliver()
 
     def _merged(self) -> None:
         for p in self._w_st.pools.values():
