@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.trace is not None:
         try:
             with open(args.trace, encoding="utf-8") as f:
-                trace = parse_trace(f, source=args.trace)
+                trace = parse_trace(f, source=args.trace, max_tokens=preset.full_tokens)
         except OSError as exc:
             raise UsageError(f"trace {args.trace}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:

@@ -91,6 +91,10 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
     binary_trace.write_bytes(b"\xff\xfe{}\n")
     negative_trace = tmp_path / "neg.jsonl"
     negative_trace.write_text('{"arrival": -1, "prompt_len": 100, "output_len": 20}\n')
+    huge_trace = tmp_path / "huge.jsonl"  # dense: a 32,768-token pool
+    huge_trace.write_text(
+        '{"arrival": 0, "prompt_len": 10, "output_len": 5}\n{"arrival": 1, "prompt_len": 32760, "output_len": 9}\n'
+    )
     existing = tmp_path / "run.sqlite"
     assert _run("demo", "--steps", "3", "--record", existing).returncode == 0
     cases = [
@@ -112,6 +116,7 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
         (("replay", str(not_rec), "--step", "1"), ["not a flight recording"]),
         (("demo", "--trace", str(binary_trace)), [f"trace {binary_trace}: not UTF-8 text"]),
         (("demo", "--trace", str(negative_trace)), [f"{negative_trace}:1: arrival must be >= 0 steps, got -1"]),
+        (("demo", "--trace", str(huge_trace)), [f"{huge_trace}:2: prompt_len + output_len = 32769 tokens", "(32768"]),
         (("demo", "--steps", "5", "--otlp-endpoint", "notaurl"), ["--otlp-endpoint 'notaurl': expected an http://"]),
         (("demo", "--steps", "5", "--otlp-endpoint", "ftp://x"), ["--otlp-endpoint 'ftp://x': expected an http://"]),
         (("demo", "--steps", "5", "--max-bytes", "-5"), ["--max-bytes must be >= 1, got -5"]),

@@ -46,11 +46,13 @@ def _lognormal(rng: random.Random, median: int, sigma: float, cap: int) -> int:
     return max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma))))
 
 
-def parse_trace(lines: Iterable[str], source: str = "trace") -> list[RequestSpec]:
+def parse_trace(lines: Iterable[str], source: str = "trace", max_tokens: int | None = None) -> list[RequestSpec]:
     """Requests from JSON lines ``{"arrival": steps, "prompt_len": n, "output_len": n}`` (blank lines skipped).
 
     Raises ``TraceError`` naming ``source`` and the 1-based line number of the first bad line. Arrivals must not
-    go back in time (a trace is a log)."""
+    go back in time (a trace is a log). ``max_tokens``: the full pool's capacity in tokens; a request that needs
+    more (prompt and output) could never finish, and is refused here, as an engine refuses a request longer than
+    its KV pool at admission."""
     out: list[RequestSpec] = []
     last = 0.0
     for lineno, line in enumerate(lines, 1):
@@ -79,6 +81,11 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[RequestSpec
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise TraceError(f"{where}: {key} must be an integer >= 1, got {v!r}")
             lens.append(v)
+        if max_tokens is not None and lens[0] + lens[1] > max_tokens:
+            raise TraceError(
+                f"{where}: prompt_len + output_len = {lens[0] + lens[1]} tokens is more than the KV pool holds "
+                f"({max_tokens} tokens): the request could never finish"
+            )
         last = float(arrival)
         out.append(RequestSpec(f"t{len(out)}", last, lens[0], lens[1]))
     if not out:

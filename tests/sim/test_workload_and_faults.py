@@ -41,7 +41,7 @@ def test_parse_trace_reads_requests_in_order():
         ("[1, 2]", "t.jsonl:2: expected an object"),
         ('{"arrival": 1, "prompt_len": 5}', "t.jsonl:2: missing output_len"),
         ('{"arrival": "soon", "prompt_len": 5, "output_len": 1}', "t.jsonl:2: arrival must be a number"),
-        ('{"arrival": -1, "prompt_len": 5, "output_len": 1}', "t.jsonl:2: arrival -1 is earlier"),
+        ('{"arrival": -1, "prompt_len": 5, "output_len": 1}', "t.jsonl:2: arrival must be >= 0 steps, got -1"),
         ('{"arrival": 1, "prompt_len": 0, "output_len": 1}', "t.jsonl:2: prompt_len must be an integer >= 1"),
         ('{"arrival": 1, "prompt_len": 5, "output_len": 1.5}', "t.jsonl:2: output_len must be an integer >= 1"),
     ],
@@ -50,6 +50,20 @@ def test_parse_trace_names_the_bad_line(line, msg):
     with pytest.raises(TraceError) as info:
         parse_trace(['{"arrival": 0, "prompt_len": 5, "output_len": 2}', line], "t.jsonl")
     assert str(info.value).startswith(msg)
+
+
+def test_parse_trace_refuses_time_going_back_and_requests_larger_than_the_pool():
+    lines = ['{"arrival": 3, "prompt_len": 5, "output_len": 2}', '{"arrival": 2, "prompt_len": 5, "output_len": 2}']
+    with pytest.raises(TraceError, match=r"^t\.jsonl:2: arrival 2 is earlier than the line before \(3\.0\)$"):
+        parse_trace(lines, "t.jsonl")
+    fits = '{"arrival": 0, "prompt_len": 60, "output_len": 4}'  # exactly the pool
+    assert len(parse_trace([fits], "t.jsonl", max_tokens=64)) == 1
+    with pytest.raises(TraceError) as info:
+        parse_trace([fits, '{"arrival": 1, "prompt_len": 60, "output_len": 5}'], "t.jsonl", max_tokens=64)
+    assert str(info.value) == (
+        "t.jsonl:2: prompt_len + output_len = 65 tokens is more than the KV pool holds (64 tokens): "
+        "the request could never finish"
+    )
 
 
 def test_an_empty_trace_is_an_error():
