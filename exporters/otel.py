@@ -14,8 +14,10 @@ What is traced
   first allocation, or a violation raised by that very call), ends at ``alloc.release_request(rid)``. Attributes:
   ``kv.request.id``, ``kv.page_size``; set at the end: ``kv.allocated_len``, ``kv.committed_len``,
   ``kv.swa_evicted_seqlen`` (the request's KV record as its allocations and checked ledger writes left it: the
-  frees that tear a request down just before its release do not zero them), ``kv.pages.peak``,
-  ``kv.pages.held_at_release`` (> 0: a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
+  frees that tear a request down just before its release do not zero them), ``kv.pages.peak`` (the most
+  full-pool pages it held at once: its KV footprint; its SWA pages come and go with the window, as the
+  ``kvalloc_request_pages{pool="full"}`` histogram counts it), ``kv.pages.held_at_release`` (pages of every pool
+  still held: > 0 is a leak), ``kv.violations``, ``kv.decode_steps`` (decode allocations are
   counted, never one event per token; consecutive decodes of the same requests (one ``batch()`` block, or the
   next blocks while the batch is unchanged) are folded into one update of the requests' records, applied before
   the sink handles any other event that reads or opens a record; a checked ledger write of an open request (an

@@ -149,6 +149,9 @@ class LedgerWrite(Event):
 
 @dataclass(frozen=True)
 class RequestReleased(Event):
+    """A request's release: ``pages_held`` its pages of every pool still held (> 0: a leak), ``pages_peak`` the
+    most full-pool pages it held at once."""
+
     rid: object
     pages_held: int
     pages_peak: int = 0
