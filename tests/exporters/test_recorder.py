@@ -730,8 +730,10 @@ def test_write_fault_mid_run_stops_recording_quietly(tmp_path, monkeypatch, capl
     assert list(e.w.violations) == []
     rec.close()
     assert len(warnings_of(caplog)) == 1  # closing does not warn again
-    # What the sink took and the writer then lost counts with what it refused (kvalloc_events_dropped_total).
-    assert rec.lost_events > 0
+    # What the sink took and the writer then lost counts with what it refused (kvalloc_events_dropped_total). A
+    # full disk fails inside a transaction, so it loses that transaction's events; a deleted file is seen after a
+    # commit, and loses only what was queued by then (possibly nothing).
+    assert rec.lost_events > 0 or fault == "file_deleted"
     assert e.w.bus.drop_counts()["recorder"] == e.w.bus.dropped["recorder"] + rec.lost_events
     if fault == "disk_full":
         with Recording(path) as r:  # what was committed stays readable and right
