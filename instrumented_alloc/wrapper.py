@@ -183,6 +183,7 @@ class _CallState:
         "consts",
         "counts",
         "deferred",
+        "detached",
         "device",
         "events",
         "fast_alloc",
@@ -236,6 +237,8 @@ class _CallState:
         self.want_decode_alloc = self.time_decode = self.want_decode_ledger = self.fold_decodes = False
         # The open decode fold (see DecodeFold in events.py): [slots, rids, decodes, first step, last step], or None.
         self.fold = None
+        # Deferred verification: request id -> its releases detached from the ledger and still queued.
+        self.detached: dict = {}
         self.clock = clock
         self.tls = tls
         self.bus = bus
@@ -942,6 +945,14 @@ class InstrumentedAllocator:
                 bound = tls.bound = hit[2]
                 bound[2] = lens
                 return tls
+            if st.detached and not st.detached.keys().isdisjoint(rids):
+                # An id whose release is still queued (deferred verification) names a new request now: a
+                # retracted request re-prefilled before the boundary that checks its release. Verify what has
+                # landed (never waiting), so that the release and its RequestReleased come before the new
+                # request's events, as they do under immediate verification. (Still queued behind a copy in
+                # flight, it stays behind them: sinks that key requests by id then see the two overlap.)
+                self._drain(wait=False)
+                self._finish()  # raise mode: the release's violation is raised here, before this binding
             slots = led.slots_of(rids)
             # The binding's slots are read-only: the events of this block (LedgerUpdate.slots) and later bindings
             # of the same batch share them instead of a copy each, which is safe because slots_of returns a fresh
@@ -982,6 +993,7 @@ class InstrumentedAllocator:
                 # that still name it): a second release of the id is refused here, as under immediate
                 # verification, and a request that takes the id again gets a slot of its own.
                 slot = st.ledger.detach(rid)
+                st.detached[rid] = st.detached.get(rid, 0) + 1
                 self._slot_tier(lambda: self._do_release(rid, slot))
             else:
                 self._do_release(rid)  # what _slot_tier does at once in immediate mode, without the closure
@@ -2798,7 +2810,15 @@ class InstrumentedAllocator:
         (deferred verification, see ``release_request``)."""
         st = self._w_st
         led = st.ledger
-        slot = led.slot_of(rid, create=False) if detached is None else detached
+        if detached is None:
+            slot = led.slot_of(rid, create=False)
+        else:
+            slot = detached
+            n = st.detached.get(rid, 0) - 1
+            if n > 0:
+                st.detached[rid] = n
+            else:
+                st.detached.pop(rid, None)
         owned = led.owned
         total = 0
         for a in owned.values():

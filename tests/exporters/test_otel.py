@@ -2275,3 +2275,50 @@ def test_a_retracted_requests_next_span_stays_in_the_engines_trace(otel_env):
         assert exp.shutdown(timeout_millis=5000)
         parents = [(s.attributes["kv.request.id"], s.parent) for s in mem.get_finished_spans()]
         assert parents == [("a", first), ("b", first), ("c", first), ("a", first), ("b", other), ("c", None)], path
+
+
+@pytest.mark.parametrize("path", ["fast", "sdk"])
+def test_a_retracted_request_re_prefilled_before_the_step_gets_its_own_span_under_deferred_verification(
+    memory, path
+):
+    # The demo engine's retraction: free, release, and the same id prefilled again before the step boundary. Under
+    # deferred verification the release is checked later; the spans must still be the ones immediate
+    # verification gives (one per incarnation, each with its own values), on both span paths.
+    def spans(verify):
+        w = InstrumentedAllocator(
+            PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu"), mode="record", verify=verify
+        )
+        if path == "fast":
+            mem = InMemorySpanExporter()
+            exp = OtelExporter(w, span_exporter=mem)
+        else:
+            provider, mem = memory
+            mem.clear()
+            exp = OtelExporter(w, tracer_provider=provider)
+        a = Req("a")
+        extend(w, [a], [6])
+        decode(w, [a])
+        decode(w, [a])
+        w.free(t(a.row))
+        w.release_request("a")
+        again = Req("a")
+        extend(w, [again], [9])
+        w.step()
+        w.free(t(again.row))
+        w.release_request("a")
+        w.step()
+        exp.shutdown() if path == "fast" else exp.force_flush()
+        return [
+            (
+                {k: v for k, v in s.attributes.items()},
+                [(e.name, {k: v for k, v in e.attributes.items() if k != "kv.step"}) for e in s.events],
+            )
+            for s in mem.get_finished_spans()
+        ]
+
+    immediate = spans("immediate")
+    assert [(a["kv.allocated_len"], a["kv.committed_len"], a["kv.decode_steps"]) for a, _ in immediate] == [
+        (8, 8, 2),
+        (12, 9, 0),
+    ]
+    assert spans("deferred") == immediate
