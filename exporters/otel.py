@@ -202,8 +202,16 @@ _W3C = TraceContextTextMapPropagator()
 _FAST_MIN_ATTRIBUTES = 16
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _attr_value(rid):
-    if isinstance(rid, (str, int, float)) and not isinstance(rid, bool):
+    """A request id as an attribute value: str and float as they are, an int as it is within int64 (what OTLP's
+    int_value holds: the encoder drops a larger one, such as a UUID's int, with the attribute), anything else (a
+    larger int included) as its str."""
+    if isinstance(rid, (str, float)) or (
+        isinstance(rid, int) and not isinstance(rid, bool) and _INT64_MIN <= rid <= _INT64_MAX
+    ):
         return rid
     return str(rid)
 

@@ -11,6 +11,7 @@ import gc
 import logging
 import socket
 import time
+import uuid
 
 import pytest
 import torch
@@ -2322,3 +2323,24 @@ def test_a_retracted_request_re_prefilled_before_the_step_gets_its_own_span_unde
         (12, 9, 0),
     ]
     assert spans("deferred") == immediate
+
+
+def test_request_ids_reach_the_collector_whatever_their_int_size():
+    # OTLP's int_value is an int64: the SDK's encoder drops an attribute with a larger int (a UUID's int as a request
+    # id) and logs it. Such an id goes out as its decimal text; ids within int64 stay ints.
+    big, edge, low = uuid.UUID("1234567890abcdef1234567890abcdef").int, 2**63 - 1, -(2**63)
+    rx = Receiver()
+    try:
+        w = paged()
+        exp = OtelExporter(w, endpoint=rx.base)
+        for rid in (big, edge, low, 2**63):
+            r = Req(rid)
+            extend(w, [r], [4])
+            w.free(t(r.row))
+            w.release_request(rid)
+        assert exp.shutdown(timeout_millis=5000)
+        assert rx.wait_for(lambda r: r.span_count() == 4)
+        got = [s["attributes"]["kv.request.id"] for s in _from_otlp(rx)]
+    finally:
+        rx.close()
+    assert got == [str(big), edge, low, str(2**63)]
