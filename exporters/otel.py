@@ -1347,9 +1347,19 @@ class OtelExporter:
             ev.RequestReleased: self._on_released,
             ev.ViolationEvent: self._on_violation,
         }
+        # Attached mid-run: the ledger values of the requests that already hold KV, what their next allocation's
+        # share is measured from (a page-size-1 decode is told from a prefill by it); taken once, here.
+        self._seed: dict = {}
         if self._off:
             self._handlers = {}  # a batch handed over directly is read and produces nothing
         else:
+            led = getattr(alloc, "ledger", None)
+            if led is not None:
+                with contextlib.suppress(Exception):  # a ledger we cannot read: measured from 0, as before
+                    for rid in led:
+                        info = led[rid]
+                        if info.kv_allocated_len or info.kv_committed_len:
+                            self._seed[rid] = (int(info.kv_allocated_len), int(info.kv_committed_len))
             alloc.trace_id_for = self.trace_id_for
             alloc.subscribe(self)
         if self._counting is not None:
@@ -1647,6 +1657,10 @@ class OtelExporter:
             r = get(rid)
             if r is None:
                 r = self._start(rid)
+                if self._seed:
+                    first = self._seed.pop(rid, None)
+                    if first is not None:
+                        r.cur_allocated, r.cur_committed = first
             if skipped:
                 # A free since the record's latest update whose LedgerUpdate was not built (free_ledgers = False):
                 # the values it left are what this allocation's share is measured from, as its update would have
@@ -1805,6 +1819,8 @@ class OtelExporter:
         if self._dec is not None:
             self._flush_decode()
         r = self._open.pop(e.rid, None)
+        if self._seed:
+            self._seed.pop(e.rid, None)
         if r is None:
             if self._parents:
                 self._parents.pop(e.rid, None)  # a parent set for a request that never allocated

@@ -2344,3 +2344,29 @@ def test_request_ids_reach_the_collector_whatever_their_int_size():
     finally:
         rx.close()
     assert got == [str(big), edge, low, str(2**63)]
+
+
+@pytest.mark.parametrize("path", ["fast", "sdk"])
+def test_attached_mid_run_at_page_size_1_counts_the_first_decode(memory, path):
+    # SGLang decodes with alloc(bs) at page size 1: an alloc of one slot for a request that holds KV is a decode.
+    # An exporter attached while requests already hold KV measures their next allocation from the ledger values
+    # they had then, so the first decode after the attach is a decode, not a prefill.
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu"), mode="record")
+    with w.batch(["a", "b"], lens=[3, 5]):
+        ab = w.alloc(8)  # prefilled before tracing starts
+    if path == "fast":
+        mem = InMemorySpanExporter()
+        exp = OtelExporter(w, span_exporter=mem)
+    else:
+        provider, mem = memory
+        exp = OtelExporter(w, tracer_provider=provider)
+    for _ in range(3):
+        with w.batch(["a", "b"]):
+            ab = torch.cat([ab, w.alloc(2)])
+        w.step()
+    w.free(ab[[0, 1, 2, 8, 10, 12]])
+    w.release_request("a")
+    exp.shutdown(timeout_millis=2000)
+    (sa,) = [s for s in mem.get_finished_spans() if s.attributes["kv.request.id"] == "a"]
+    assert sa.attributes["kv.decode_steps"] == 3 and sa.attributes["kv.allocated_len"] == 6
+    assert [e.name for e in sa.events] == ["kv.release"]
