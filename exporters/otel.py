@@ -1350,6 +1350,7 @@ class OtelExporter:
         # Attached mid-run: the ledger values of the requests that already hold KV, what their next allocation's
         # share is measured from (a page-size-1 decode is told from a prefill by it); taken once, here.
         self._seed: dict = {}
+        self._prev_hook = None
         if self._off:
             self._handlers = {}  # a batch handed over directly is read and produces nothing
         else:
@@ -1360,7 +1361,10 @@ class OtelExporter:
                         info = led[rid]
                         if info.kv_allocated_len or info.kv_committed_len:
                             self._seed[rid] = (int(info.kv_allocated_len), int(info.kv_committed_len))
-            alloc.trace_id_for = self.trace_id_for
+            # The hook the wrapper asks for a violation's trace id: ours, then (for a request we have no span of)
+            # the one it had before, so that exporters attached one after another each keep theirs.
+            self._prev_hook = getattr(alloc, "trace_id_for", None)
+            alloc.trace_id_for = self._trace_hook
             alloc.subscribe(self)
         if self._counting is not None:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
@@ -1478,6 +1482,15 @@ class OtelExporter:
                 return _trace_hex(self._start(rid).context())
             return _trace_hex(self._ended.get(rid))
 
+    def _trace_hook(self, rid) -> str | None:
+        """``alloc.trace_id_for`` while this exporter is attached: ``trace_id_for``, else the hook it replaced
+        (another exporter's, attached before it), which shutdown puts back."""
+        tid = self.trace_id_for(rid)
+        if tid is None and self._prev_hook is not None:
+            with contextlib.suppress(Exception):  # a foreign hook must not break the violation being reported
+                return self._prev_hook(rid)
+        return tid
+
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Export the ended spans now, waiting at most ``timeout_millis``. Blocks: never call it on the engine
         thread's hot path. False when it timed out or the provider reported a failure."""
@@ -1495,8 +1508,8 @@ class OtelExporter:
         # Outside our lock: unsubscribe takes the wrapper's lock, whose holder may be waiting in our sink.
         if self in alloc.bus.sinks:
             alloc.unsubscribe(self)
-        if alloc.trace_id_for == self.trace_id_for:
-            alloc.trace_id_for = None
+        if alloc.trace_id_for == self._trace_hook:
+            alloc.trace_id_for = self._prev_hook  # the exporter attached before us, if any, keeps its trace ids
         with self._lock:
             if self._closed:
                 return True
@@ -1511,9 +1524,9 @@ class OtelExporter:
             return self.force_flush(timeout_millis)
         done, _ = _run_bounded(self._provider.shutdown, timeout_s, "shutdown")
         if not done and self._span_exporter is not None:
-            # Abandon what is still queued: the worker's further exports fail at once instead of retrying.
-            with contextlib.suppress(Exception):
-                self._span_exporter.shutdown()
+            # Abandon what is still queued: the worker's further exports fail at once instead of retrying. Not
+            # waited for: an exporter whose shutdown waits for its hanging export must not hold us past the time.
+            _run_bounded(self._span_exporter.shutdown, 0.0, "span exporter shutdown")
         return done
 
     # -- the sink ---------------------------------------------------------------------------------------------

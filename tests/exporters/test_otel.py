@@ -2370,3 +2370,65 @@ def test_attached_mid_run_at_page_size_1_counts_the_first_decode(memory, path):
     (sa,) = [s for s in mem.get_finished_spans() if s.attributes["kv.request.id"] == "a"]
     assert sa.attributes["kv.decode_steps"] == 3 and sa.attributes["kv.allocated_len"] == 6
     assert [e.name for e in sa.events] == ["kv.release"]
+
+
+def test_two_exporters_each_keep_their_trace_ids():
+    # alloc.trace_id_for is one hook: each exporter's falls back to the one it replaced, and a shutdown puts that
+    # back, so a violation of a request the remaining exporter traces still carries that span's trace id.
+    w = paged(256)
+    m1, m2 = InMemorySpanExporter(), InMemorySpanExporter()
+    e1 = OtelExporter(w, span_exporter=m1)
+    e2 = OtelExporter(w, span_exporter=m2)
+    b = Req("b")
+    extend(w, [b], [9])
+    assert w.trace_id_for("b") == e2.trace_id_for("b") != e1.trace_id_for("b")  # the latest exporter's first
+    assert e2.shutdown(timeout_millis=1000)
+    assert w.trace_id_for == e1._trace_hook
+    w.free(t(b.row[:4]))
+    w.free(t(b.row[:4]))  # a double free of b's first page
+    v = w.violations[-1]
+    assert (v.invariant, v.rid) == ("double_free", "b") and v.trace_id == e1.trace_id_for("b")
+    assert e1.shutdown(timeout_millis=1000) and w.trace_id_for is None
+    (s,) = m1.get_finished_spans()
+    assert hex_id(s) == v.trace_id and s.status.status_code is StatusCode.ERROR
+
+
+def test_shutdown_keeps_its_time_when_the_span_exporters_own_shutdown_waits():
+    # A span exporter whose shutdown waits for its export in flight: shutdown gives up after its timeout and does
+    # not wait for that shutdown either.
+    import threading
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    release = threading.Event()
+
+    class Guarded(SpanExporter):
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.inside = threading.Event()
+
+        def export(self, spans):
+            with self.lock:
+                self.inside.set()
+                release.wait(10)
+                return SpanExportResult.SUCCESS
+
+        def shutdown(self):
+            with self.lock:
+                pass
+
+    guarded = Guarded()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=guarded)
+    a = Req("a")
+    extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    exp.force_flush(timeout_millis=100)
+    try:
+        assert guarded.inside.wait(5)  # the worker is inside export(), holding the lock
+        t0 = time.monotonic()
+        assert exp.shutdown(timeout_millis=300) is False
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        release.set()
