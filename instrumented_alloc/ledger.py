@@ -14,11 +14,14 @@ Contract:
   ``wrapper._DecodeRoll``).
 - ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
   returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
-- Host memory only; never touches a device tensor. Not thread-safe by itself (the wrapper serialises).
+- Host memory only; never touches a device tensor. Not thread-safe by itself: the wrapper serialises its calls
+  and, through ``lock``, the engine's checked writes.
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numbers
 from collections.abc import Iterator
@@ -94,6 +97,10 @@ class KvLedger:
         self.sliding_window = sliding_window
         self.pools = tuple(pools)
         self._observer = _RaisingObserver()
+        # What a checked write holds while it checks, stores and reports: the wrapper's lock once it observes this
+        # ledger (an engine thread writes a request's fields while another thread's call may grow the columns or
+        # read the dirty set; the wrapper's calls hold that lock). Reentrant: the observer takes it again.
+        self.lock = contextlib.nullcontext()
         # Slots whose last write was rejected: their pages may legitimately disagree with the ledger until the
         # request is reset, and the root cause was already reported.
         self.tainted: set[int] = set()
@@ -324,7 +331,12 @@ class KvLedger:
         return bad
 
     def write(self, slot: int, field: str, value) -> bool:
-        """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value."""
+        """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value. Holds
+        ``lock`` throughout (see ``__init__``)."""
+        with self.lock:
+            return self._write(slot, field, value)
+
+    def _write(self, slot: int, field: str, value) -> bool:
         self.version += 1  # stored or not: whoever caches a fact about the ledger looks again
         if type(value) is not int:  # a plain int is the usual value: no ABC isinstance check for it
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

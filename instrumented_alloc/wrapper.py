@@ -701,6 +701,7 @@ class InstrumentedAllocator:
             names, allocs = ("full",), (inner,)
         ledger = KvLedger(ps, sliding_window=sliding_window, pools=names)
         ledger._observer = self
+        ledger.lock = self._w_lock  # checked writes from the engine's threads are serialised with the calls
         s(self, "ledger", ledger)
         self._w_st.ledger = ledger  # the same object (see _CallState)
         s(self, "_w_ps", ps)

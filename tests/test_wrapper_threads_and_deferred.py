@@ -407,3 +407,54 @@ def test_deferred_release_of_a_reused_id_comes_before_the_new_requests_events():
     release = dfr.index(("RequestReleased", "release", ("a",)))
     assert ("LedgerUpdate", "alloc_extend", ("a",)) in dfr[release + 1 :]
     assert list(dfr_w.violations) == [] and dfr_w.ledger["a"].kv_committed_len == 9
+
+
+def _ledger_write_race(trial: int) -> tuple[list, list]:
+    """One round: thread A writes request a's committed length and reads it back until thread B has bound three
+    batches of new requests (the ledger's columns grow under the wrapper's lock) and stepped. Returns the writes
+    read back wrong and the violations."""
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(256, 4, torch.float16, "cpu"), mode="record")
+    with w.batch(["a"]):
+        w.alloc_extend(t([0]), t([0]), t([64]), t([64]), t([-1]), 64)
+    kv = w.ledger["a"]
+    go, done = threading.Event(), threading.Event()
+    lost: list = []
+
+    def writer():
+        v = 0
+        go.wait()
+        while not done.is_set():
+            v = v % 64 + 1
+            kv.kv_committed_len = v
+            got = kv.kv_committed_len
+            if got != v:
+                lost.append((trial, v, got))
+                return
+
+    def binder():
+        go.set()
+        for k in range(3):
+            with w.batch([f"n{trial}-{k}-{j}" for j in range(300 * (k + 1))]):
+                pass
+            w.step()
+        done.set()
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=binder)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads)
+    return lost, [v.invariant for v in w.violations]
+
+
+def test_a_checked_ledger_write_is_serialised_with_another_threads_calls():
+    # The write holds the wrapper's lock: it never lands in a column being replaced (it did: the value read back
+    # was the old one), nor in the dirty set a step iterates.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for trial in range(150):
+            assert _ledger_write_race(trial) == ([], [])
+    finally:
+        sys.setswitchinterval(old)
