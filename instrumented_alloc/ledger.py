@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-
 import numbers
 from collections.abc import Iterator
 
@@ -207,6 +206,11 @@ class KvLedger:
 
     def rid_of(self, slot: int):
         return self._slot_rid[slot] if 0 <= slot < self._cap else None
+
+    def slot_rids(self) -> list:
+        """A copy of the slot -> request id list (None: a free slot), indexed by slot: ``rid_of`` for many slots,
+        read later without the lock."""
+        return list(self._slot_rid)
 
     def release(self, rid, *, leaked: bool) -> int:
         """Forget ``rid``; its slot is reused unless it still owns pages (``leaked``). Returns the slot."""

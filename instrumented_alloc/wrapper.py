@@ -1085,6 +1085,9 @@ class InstrumentedAllocator:
 
         With deferred verification, ``wait=True`` first completes the outstanding checks (may wait for device
         copies); ``wait=False`` (what exporters on other threads use) returns the state as of verified calls."""
+        # Under the lock, only copies (the owner arrays, the live requests' columns, the slot -> id list): an
+        # exporter's scrape holds the engine up for about those. What is derived from them (the slots that own
+        # pages, their ids) is computed after, from the copies.
         with self._w_lock:
             if wait and self._w_deferred and not self._w_off:
                 self._drain(wait=True)
@@ -1099,22 +1102,25 @@ class InstrumentedAllocator:
                 evicted=led.evicted[slots].copy(),
                 sliding_window=self._w_window,
             )
-            owner_slots = {}
-            for p in self._w_st.pools.values():
-                used = np.unique(p.shadow.owner[p.shadow.owner >= 0])
-                owner_slots.update({int(s): led.rid_of(int(s)) for s in used})
-            return {
-                n: PoolSnapshot(
-                    pool=n,
-                    page_size=p.page_size,
-                    num_pages=p.shadow.num_pages,
-                    owner=p.shadow.owner.copy(),
-                    step=self._w_st.step,
-                    ledger=lsnap,
-                    slot_rids=owner_slots,
-                )
-                for n, p in self._w_st.pools.items()
-            }
+            slot_rid = led.slot_rids()
+            step = self._w_st.step
+            pools = [(n, p.page_size, p.shadow.num_pages, p.shadow.owner.copy()) for n, p in self._w_st.pools.items()]
+        owner_slots = {}
+        for _, _, _, owner in pools:
+            used = np.unique(owner[owner >= 0])
+            owner_slots.update({s: slot_rid[s] if s < len(slot_rid) else None for s in used.tolist()})
+        return {
+            n: PoolSnapshot(
+                pool=n,
+                page_size=ps,
+                num_pages=num_pages,
+                owner=owner,
+                step=step,
+                ledger=lsnap,
+                slot_rids=owner_slots,
+            )
+            for n, ps, num_pages, owner in pools
+        }
 
     # -- ledger observer (called by KvLedger on checked writes) -----------------------------------------------
     def ledger_rejected(self, slot: int, rid, violations, exc=None) -> None:
