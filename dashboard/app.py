@@ -65,7 +65,7 @@ def _page_maps(rec, ov: data.Overview, state, violations, step: int) -> None:
         _legend(pm)
         if pm.violation_runs:
             where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in pm.violation_runs)
-            more = " ..." if len(pm.violation_runs) == 10 else ""
+            more = " ..." if pm.more_violation_runs else ""
             st.caption(f"Pages in a violation in pool `{name}`: {where}{more}")
     if evicted is not None:
         st.caption(
@@ -109,6 +109,11 @@ def _live(rec) -> None:
     st.subheader("Pages in use per pool")
     if series:
         st.line_chart(views.occupancy_series(series, ov.pools), x="step")
+        if ov.violations:
+            st.caption(
+                "From the free-list entries at each step boundary: after a double free the allocator lists a page "
+                "twice, so this reads lower than the pages in use (the page map counts pages)."
+            )
     bucket = max(1, (ov.last - ov.first + 1) // 200)
     counts = rec.event_counts(("SwaEvict", "AllocFailed", "ViolationEvent"), bucket=bucket)
     st.subheader(f"SWA evictions, alloc failures and violations per {bucket} step{'s' if bucket > 1 else ''}")
@@ -145,7 +150,7 @@ def incident(rdir: data.RecordingDir, name: str) -> None:
         )
         if ov.events == 0:
             st.info("This recording has no events yet: only the state when recording started.")
-        targets = views.jump_targets(violations)
+        targets = views.jump_targets(violations, (ov.first, ov.last))
         if "step" not in st.session_state or not ov.first <= st.session_state["step"] <= ov.last:
             st.session_state["step"] = targets[0][1] if targets else ov.last
 
@@ -193,7 +198,7 @@ def _request(rec, ov: data.Overview, state, violations) -> None:
         st.caption("No request is live at this step or named by a violation.")
         return
     rid = st.selectbox("Request", choices, key="request", format_func=str)
-    hist = data.request_history(rec, rid, ov.first)
+    hist = data.request_history(rec, rid, ov.first, live_at=state.step if rid in state.ledger else None)
     if hist is None:
         st.warning(f"The recording holds no event of request {rid!r}.")
         return

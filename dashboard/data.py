@@ -127,10 +127,27 @@ def state_end_of(rec: Recording, step: int) -> ReplayState:
     step (an event's ``step`` is the step counter when it happened, so a violation of step N is in this state,
     and for the last step of a live recording it is the newest committed state)."""
     st = state_at(rec, step)
+    _no_loss_within(rec, step, st.seq)
     try:
         return replay.apply(st, rec.events(start=step, stop=step + 1, kinds=STATE_KINDS), inplace=True)
     except IncompleteHistory as exc:
         raise DashboardInputError(f"step {step} cannot be rebuilt: events in it were lost ({exc})") from exc
+
+
+def _no_loss_within(rec: Recording, step: int, after_seq: int) -> None:
+    """DashboardInputError when events of step ``step`` (after its boundary, seq ``after_seq``, and before the next
+    step's boundary) were lost. Their ``EventsLost`` marker is stamped with the step of the next event recorded,
+    which may be a later step: the events of this step alone would not cross it."""
+    nxt = next(iter(rec.events(start=step + 1, stop=step + 2, kinds=("StepBoundary",))), None)
+    before_seq = nxt.seq if nxt is not None else float("inf")
+    for m in rec.events(start=step, kinds=("EventsLost",)):
+        if m.first_seq > before_seq:
+            break
+        if m.last_seq > after_seq:
+            raise DashboardInputError(
+                f"step {step} cannot be rebuilt: {m.n_events} events in it were lost (seq {m.first_seq}..{m.last_seq}: "
+                "the recorder's queue was full)"
+            )
 
 
 def recent_events(rec: Recording, step: int, lookback: int) -> list:
@@ -138,7 +155,9 @@ def recent_events(rec: Recording, step: int, lookback: int) -> list:
     return list(rec.events(start=max(0, step - lookback), stop=step + 1, kinds=("PageUpdate", "SwaEvict", "Free")))
 
 
-def request_history(rec: Recording, rid, first_step: int) -> tuple[list, tuple | None, int, int] | None:
+def request_history(
+    rec: Recording, rid, first_step: int, live_at: int | None = None
+) -> tuple[list, tuple | None, int, int] | None:
     """The events one request's lifeline reads, with the ledger row it had before them.
 
     Returns (events, start_ledger, lo, hi) or None when the recording has nothing under ``rid``. The span comes
@@ -146,10 +165,17 @@ def request_history(rec: Recording, rid, first_step: int) -> tuple[list, tuple |
     release, violations); a batch call for several requests is not indexed by request, so the span is widened
     back to the newest snapshot step at which the request was not yet live (found by replaying snapshot steps,
     cheap: a snapshot step replays no event), and forward to the end of the recording when it was never
-    released. Bounded by ``LIFELINE_MAX_STEPS`` steps (the newest are kept)."""
+    released. ``live_at``: a step at which the request is known to be live (the state the caller picked it
+    from): the span includes it, so a request whose every event so far is a batch call (a dense model's
+    requests before their release, an SWA model's before their first eviction) still has its history. Bounded
+    by ``LIFELINE_MAX_STEPS`` steps (the newest are kept)."""
     span = rec.request_span(rid)
     if span is None:
-        return None
+        if live_at is None:
+            return None
+        span = (live_at, live_at)
+    elif live_at is not None:
+        span = (min(span[0], live_at), max(span[1], live_at))
     lo, hi = span
     released = any(
         getattr(e, "rid", None) == rid for e in rec.events(start=hi, stop=hi + 1, kinds=("RequestReleased",))

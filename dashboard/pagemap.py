@@ -52,7 +52,7 @@ class PageMap:
     (``len(STATES)`` for background); ``counts``: pages per state (every page counted once, page 0 included);
     ``pages_per_cell``; ``columns``; ``scale``: pixels per cell side; ``rule``: the layout and downsampling rule in
     words; ``legend``: (key, label, "#rrggbb", pages) in legend order; ``violation_runs``: the first runs of
-    pages in a violation, as (first, last) page ids."""
+    pages in a violation, as (first, last) page ids (``more_violation_runs``: whether more follow)."""
 
     image: np.ndarray
     cells: np.ndarray
@@ -63,6 +63,10 @@ class PageMap:
     rule: str
     legend: tuple
     violation_runs: tuple = ()
+    more_violation_runs: bool = False  # there are runs after the first ones in violation_runs
+
+
+_RUNS = 10  # violation runs named under a page map
 
 
 def runs_of(mask: np.ndarray, limit: int = 10) -> tuple:
@@ -133,6 +137,7 @@ def page_map(owner: np.ndarray, *, violation_slots=(), swa_evicted=None, max_cel
     legend = tuple(
         (key, LABELS[key], "#{:02x}{:02x}{:02x}".format(*COLORS[key]), int(counts[i])) for i, key in enumerate(STATES)
     )
+    runs = runs_of(states == _I["violation"], limit=_RUNS + 1) if counts[_I["violation"]] else ()
     return PageMap(
         image=image,
         cells=grid,
@@ -142,5 +147,6 @@ def page_map(owner: np.ndarray, *, violation_slots=(), swa_evicted=None, max_cel
         scale=scale,
         rule=rule,
         legend=legend,
-        violation_runs=runs_of(states == _I["violation"]) if counts[_I["violation"]] else (),
+        violation_runs=runs[:_RUNS],
+        more_violation_runs=len(runs) > _RUNS,
     )

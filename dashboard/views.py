@@ -19,7 +19,9 @@ from instrumented_alloc.replay import ReplayState, to_snapshots
 from instrumented_alloc.shadow import FREE
 from instrumented_alloc.stats import pool_figures, requests_live, swa_outside_window_tokens
 
-NO_TRACE = "none recorded (no trace was active)"
+# A recording keeps trace ids with violations only: a request without a violation (or one whose span was not
+# sampled, or no tracing) has none here.
+NO_TRACE = "none recorded (trace ids are kept with violations only)"
 # Ops that free pages of the SWA pool (an SWA eviction frees with one of them, then writes swa_evicted_seqlen).
 SWA_FREE_OPS = frozenset({"free_swa", "free_swa_segment"})
 
@@ -66,19 +68,29 @@ def violation_summary(counts: Mapping[str, int]) -> list:
     return [{"invariant": k, "violations": int(n)} for k, n in counts.items()]
 
 
-def jump_targets(violations: Sequence[Violation]) -> list:
-    """(label, step) for the jump-to-violation picker, in recording order: "step 29 · invariant · request"."""
+def jump_targets(violations: Sequence[Violation], steps: tuple[int, int] | None = None) -> list:
+    """(label, step) for the jump-to-violation picker, in recording order: "step 29 · invariant · request".
+    ``steps``: the (first, last) steps the recording can rebuild; a violation outside them (retention keeps every
+    violation, not the steps before the oldest kept snapshot) jumps to the nearest one, and its label says so."""
     out = []
     for i, v in enumerate(violations):
         who = "" if v.rid is None else f" · {v.rid}"
-        out.append((f"#{i + 1} step {v.step} · {v.invariant}{who}", int(v.step)))
+        step = int(v.step)
+        label = f"#{i + 1} step {step} · {v.invariant}{who}"
+        if steps is not None and not steps[0] <= step <= steps[1]:
+            shown = min(max(step, steps[0]), steps[1])
+            label += f" (step {step} is no longer kept: shows step {shown})"
+            step = shown
+        out.append((label, step))
     return out
 
 
 # -- time series --------------------------------------------------------------------------------------------------
 def occupancy_series(series: Sequence, pools: Sequence[Mapping]) -> dict:
     """Used pages per pool over steps from ``Recording.step_series()``: {"step": [...], "<pool> used": [...]}.
-    Used = the pool's pages (page 0 excluded) minus the free + staged pages the step boundary reports."""
+    Used = the pool's pages (page 0 excluded) minus the free + staged entries the step boundary reports (see
+    ``StepBoundary``: after a double free, entries the inner lists twice make this lower than the pages in use by
+    the duplicates, where the page map and the step's figures count pages)."""
     out: dict = {"step": [int(s) for s, _ in series]}
     for p in pools:
         name, total = p["name"], int(p["num_pages"])

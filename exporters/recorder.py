@@ -966,6 +966,8 @@ class _Flush:
 class _Stop:
     end_time: float
     dropped: int
+    # The refused events at the end, no batch accepted after them: (first seq, last seq, ts, step of the last).
+    lost: tuple | None = None
 
 
 _TICK = object()
@@ -1102,6 +1104,7 @@ class FlightRecorder:
         self._closed = False
         self._next_seq: int | None = None
         self._gap_from: int | None = None
+        self._gap_end: tuple | None = None
         self._due = False
         self._since_snap_queued = 0  # events queued since the last snapshot was taken
         # Writer state (writer thread); plain attributes read by others are GIL-atomic.
@@ -1269,6 +1272,8 @@ class FlightRecorder:
         if len(pending) >= q.maxsize:
             self._wake.set()
             self._gap_from = gap_from if gap_from is not None else first
+            last = batch[-1]
+            self._gap_end = (last.seq, last.ts, last.step)  # the gap's end, if no batch is accepted after it
             self._due = True
             return False
         pending.append((items, snap, lost, urgent))
@@ -1326,8 +1331,13 @@ class FlightRecorder:
         with contextlib.suppress(ValueError):
             self._alloc.unsubscribe(self)
         self._stopped = True
+        # Batches refused at the end, with none accepted after them, get their EventsLost marker now (it is
+        # otherwise written before the next accepted batch): replay must not cross them either.
+        gap = None
+        if self._gap_from is not None and self._gap_end is not None and self._gap_end[0] >= self._gap_from:
+            gap = (self._gap_from, *self._gap_end)
         try:
-            self._queue.put(_Stop(end_time=float(self._clock()), dropped=self.dropped), timeout=timeout)
+            self._queue.put(_Stop(end_time=float(self._clock()), dropped=self.dropped, lost=gap), timeout=timeout)
             self._wake.set()
         except queue.Full:
             logger.warning("flight recorder %s: the writer did not take the stop request", self.path)
@@ -1662,6 +1672,11 @@ class FlightRecorder:
     def _finish(self, stop: _Stop) -> None:
         conn = self._conn
         conn.execute("BEGIN")
+        if stop.lost is not None:
+            lo, hi, ts, step = stop.lost
+            marker = EventsLost(seq=hi, ts=ts, step=step, first_seq=lo, last_seq=hi, n_events=hi - lo + 1)
+            self._block_for(self._block, EventsLost, step, hi).add(EventsLost, marker.__dict__)
+            self._insert_rows()
         conn.executemany(
             "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
             [
@@ -1935,6 +1950,7 @@ class Recording:
             owners=owners,
             ledger={r: replay.LedgerRow(a, c, x) for r, _, a, c, x in doc["rows"]},
             slot_rids={int(s): r for s, r in doc["slot_rids"]} | {int(s): r for r, s, _, _, _ in doc["rows"]},
+            rid_slots={r: int(s) for r, s, _, _, _ in doc["rows"]},  # the live requests' own slots
         )
 
     # -- aggregates and ranges (for front ends such as the dashboard: SQL does the counting, nothing here loads

@@ -234,7 +234,9 @@ class DecodeFold(Event):
 
 @dataclass(frozen=True)
 class StepBoundary(Event):
-    """``alloc.step()`` was called; ``available`` maps pool name to free+staged pages as the shadow counts them."""
+    """``alloc.step()`` was called; ``available`` maps pool name to the free + staged entries the shadow expects in
+    the inner's free lists (O(1) to read: what the count check compares). After a double free the inner lists a
+    page twice, so this exceeds the free pages by the duplicates until the list is merged or the pages reused."""
 
     available: dict = field(default_factory=dict)
 

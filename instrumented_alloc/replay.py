@@ -76,6 +76,9 @@ class ReplayState:
     owners: dict[str, np.ndarray]
     ledger: dict = field(default_factory=dict)
     slot_rids: dict = field(default_factory=dict)
+    # The slot each request was last named at (slot_rids keeps older names: a leaked slot's pages still carry
+    # its request's name, and a retracted request re-prefilled under its id gets a new slot).
+    rid_slots: dict = field(default_factory=dict)
 
     def copy(self) -> ReplayState:
         return ReplayState(
@@ -84,6 +87,7 @@ class ReplayState:
             owners={k: v.copy() for k, v in self.owners.items()},
             ledger=dict(self.ledger),
             slot_rids=dict(self.slot_rids),
+            rid_slots=dict(self.rid_slots),
         )
 
     def rids_in(self, pool: str) -> dict:
@@ -126,6 +130,7 @@ def state_from_snapshots(snapshots: Mapping[str, PoolSnapshot], *, seq: int) -> 
         owners={n: np.array(s.owner, dtype=np.int32, copy=True) for n, s in snapshots.items()},
         ledger=rows,
         slot_rids=slot_rids,
+        rid_slots={r: int(s) for s, r in zip(led.slots, led.rids)},
     )
 
 
@@ -160,6 +165,7 @@ def _apply_one(st: ReplayState, e: ev.Event) -> None:
         for rid, slot, a, c, x in zip(e.rids, e.slots, e.allocated, e.committed, e.evicted):
             st.ledger[rid] = LedgerRow(int(a), int(c), int(x))
             st.slot_rids[int(slot)] = rid
+            st.rid_slots[rid] = int(slot)
     elif isinstance(e, ev.LedgerWrite):
         i = LEDGER_FIELDS.get(e.field)
         if i is None:
@@ -169,12 +175,14 @@ def _apply_one(st: ReplayState, e: ev.Event) -> None:
         st.ledger[e.rid] = LedgerRow(*row)
     elif isinstance(e, ev.RequestReleased):
         st.ledger.pop(e.rid, None)
+        st.rid_slots.pop(e.rid, None)
     elif isinstance(e, ev.StepBoundary):
         st.step = e.step
     elif isinstance(e, ev.Snapshot):
         st.owners[e.pool] = np.frombuffer(e.owner, dtype="<i4").astype(np.int32)
         st.ledger = {rid: LedgerRow(int(a), int(c), int(x)) for rid, a, c, x in e.ledger}
         st.slot_rids.update({int(s): r for s, r in e.rids})
+        st.rid_slots = {r: s for r, s in st.rid_slots.items() if r in st.ledger}  # the slots known for live rows
     elif isinstance(e, EventsLost):
         raise IncompleteHistory(
             f"{e.n_events} events (seq {e.first_seq}..{e.last_seq}, before step {e.step}) were lost: "
@@ -217,7 +225,10 @@ def to_snapshots(state: ReplayState, *, page_size: int, sliding_window: int | No
     """The replayed state as ``alloc.snapshot()`` would have returned it (one ``PoolSnapshot`` per pool), so
     ``stats.figures`` reads a recording exactly as it reads a live allocator. Ledger rows whose slot no page
     names get slot -1 (they hold no pages, so no figure counts them by slot)."""
+    # A request's slot: where it was last named (a stale name of an earlier incarnation must not win); a request
+    # known only from a snapshot's owner names, where its pages name it.
     slot_of = {rid: s for s, rid in state.slot_rids.items()}
+    slot_of.update(state.rid_slots)
     rids = tuple(state.ledger)
     rows = [state.ledger[r] for r in rids]
     ledger = LedgerSnapshot(

@@ -275,3 +275,25 @@ def test_a_decode_fold_sets_the_rows_it_lists():
     assert s.ledger == {r: (int(x), int(y), int(z)) for r, x, y, z in live}
     assert s.ledger["a"] == (12, 11, 0) and s.ledger["b"] == (0, 0, 0)
     assert (s.owners["full"] == w.snapshot()["full"].owner).all()
+
+
+def test_a_request_named_again_at_another_slot_is_read_at_its_new_slot():
+    # Slot 5 is first named by x; a is named at slot 7, released, and prefilled again at slot 5 (a retraction, its
+    # old slot's name left behind in slot_rids). The request's slot is where it was last named: to_snapshots gives
+    # a slot 5 (the dict of names read backwards gave the stale 7, and the figures then counted a's pages wrong).
+    from instrumented_alloc.replay import to_snapshots
+
+    st = initial_state({"full": 8})
+    events = [
+        ledger(1, [("x", 5, 4, 4, 0)]),
+        ev.RequestReleased(seq=2, ts=0.0, step=0, rid="x", pages_held=0),
+        ledger(3, [("a", 7, 4, 4, 0)]),
+        ev.RequestReleased(seq=4, ts=0.0, step=0, rid="a", pages_held=0),
+        ledger(5, [("a", 5, 8, 6, 0)]),
+        page(6, [1, 2], [5, 5]),
+    ]
+    st = apply(st, events)
+    assert st.slot_rids == {5: "a", 7: "a"} and st.rid_slots == {"a": 5}
+    snap = to_snapshots(st, page_size=4)["full"]
+    assert snap.ledger.rids == ("a",) and snap.ledger.slots.tolist() == [5]
+    assert st.copy().rid_slots == {"a": 5}

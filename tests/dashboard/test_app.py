@@ -148,7 +148,7 @@ def test_request_drilldown_shows_the_recorded_ledger_values(app, recordings):
         (s1, "REJECTED write: swa_evicted_seqlen_page_aligned", "◀ violating write", bad.message)
     ]
     text = " ".join(m.value for m in at.markdown)
-    assert f"Request **{rid1}**" in text and "none recorded (no trace was active)" in text
+    assert f"Request **{rid1}**" in text and "none recorded (trace ids are kept with violations only)" in text
     # A row holds the values at the end of its step when the next row starts in a later step (a collapsed decode
     # row "alloc_decode x N (steps a-b)": at the end of step b). Each equals the replayed ledger of that step.
     last_per_step = {}
@@ -233,3 +233,47 @@ def test_a_recording_without_events_says_so(app):
     assert not at.error
     assert [i.value for i in at.info] == ["This recording has no events yet: only the state when recording started."]
     assert len(at.image) == 2
+
+
+def test_a_violation_older_than_the_kept_steps_opens_at_the_oldest_kept_step(tmp_path, monkeypatch):
+    # Retention keeps every violation, not the steps before the oldest kept snapshot: the view opens at the oldest
+    # step it can rebuild and the picker says where the violation went (it raised a slider error, the whole view
+    # replaced by it).
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+    from exporters.recorder import FlightRecorder
+    from tests.exporters.test_recorder import RandomPick, drive
+    from tests.test_wrapper_properties import Engine
+
+    e = Engine("swa-4", False, "immediate")
+    path = tmp_path / "ret.sqlite"
+    rec = FlightRecorder(e.w, path, snapshot_every=50, max_events=150, flush_interval=0.01)
+    drive(e, RandomPick(11), 5)
+    from tests.engine_model import Req
+
+    rid = e.new_rid()
+    e.extend([Req(rid)], [8])
+    e.w.ledger[rid].kv_allocated_len += 1  # not page-aligned: a rejected write, kept by retention for good
+    step = e.w.step_count
+
+    def on_step(e):
+        if e.w.step_count % 10 == 0:
+            rec.flush()
+
+    drive(e, RandomPick(12), 400, on_step)
+    rec.close()
+    with Recording(path) as r:
+        first, _ = r.steps()
+        assert [(v.invariant, v.step) for v in r.violations()][:1] == [("kv_allocated_len_page_aligned", step)]
+        assert first > step
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(ENV_RECORDING, "ret.sqlite")
+    monkeypatch.setenv(ENV_REFRESH, "3600")
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception and not at.error, [m.value for m in at.error]
+    assert at.slider(key="step").value == first
+    assert at.selectbox(key="jump").options[0] == (
+        f"#1 step {step} · kv_allocated_len_page_aligned · {rid} (step {step} is no longer kept: shows step {first})"
+    )

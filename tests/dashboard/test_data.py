@@ -78,3 +78,82 @@ def test_a_hashed_recording_reads_the_same(tmp_path):
             for row, v in zip(views.violation_rows(raw_violations, newest_first=False), raw_violations)
         ]
         assert any(v.rid is not None and repr(v.rid) in v.message for v in raw_violations)  # some message names one
+
+
+def test_a_step_whose_own_events_were_lost_is_not_rebuilt(tmp_path, monkeypatch):
+    # Step 2's boundary was recorded, its events were refused (the writer held up, the queue full), and the next
+    # batch accepted is step 3's boundary: the loss marker is stamped 3, so the events stamped 2 alone do not
+    # cross it. The end of step 2 must be refused, not shown without the lost events.
+    import threading
+
+    import torch
+
+    from exporters.recorder import FlightRecorder
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+    from tests.engine_model import Req, extend_args, split_extend
+
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+    path = tmp_path / "lost.sqlite"
+    rec = FlightRecorder(w, path, snapshot_every=1000, queue_size=1, flush_interval=0.01)
+    gate, entered = threading.Event(), threading.Event()
+    real_write = rec._write
+
+    def stuck_write(*item):
+        entered.set()
+        gate.wait(10)
+        return real_write(*item)
+
+    monkeypatch.setattr(rec, "_write", stuck_write)
+    w.step()
+    assert entered.wait(5)
+    w.step()  # step 2's boundary: queued, the queue is full now
+    a = Req("a")
+    with w.batch(["a"]):
+        split_extend([a], [6], w.alloc_extend(*extend_args([a], [6])))  # refused: lost
+    assert w.bus.dropped["recorder"] > 0
+    gate.set()
+    assert rec.flush(5.0)
+    w.step()  # step 3's boundary: accepted, after the marker
+    rec.close()
+    with Recording(path) as r:
+        (marker,) = r.events(kinds=["EventsLost"])
+        assert marker.step == 3
+        data.state_end_of(r, 1)  # before the loss: fine
+        with pytest.raises(data.DashboardInputError, match=r"^step 2 cannot be rebuilt: \d+ events in it were lost"):
+            data.state_end_of(r, 2)
+
+
+def test_a_request_seen_only_in_batch_calls_has_a_history(tmp_path):
+    # Two requests prefilled and decoded together, never released: every event of theirs is a batch call, which
+    # the recording does not index by request. Picked from a state where it is live, its history is still found.
+    import torch
+
+    from exporters.recorder import FlightRecorder
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+    from tests.engine_model import Req, decode_args, extend_args, split_extend
+
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+    path = tmp_path / "batch.sqlite"
+    with FlightRecorder(w, path, snapshot_every=1000):
+        a, b = Req("a"), Req("b")
+        with w.batch(["a", "b"]):
+            split_extend([a, b], [6, 5], w.alloc_extend(*extend_args([a, b], [6, 5])))
+        w.step()
+        for _ in range(3):
+            with w.batch(["a", "b"]):
+                out = w.alloc_decode(*decode_args([a, b]))
+            a.row.append(int(out[0]))
+            b.row.append(int(out[1]))
+            w.step()
+    with Recording(path) as r:
+        last = r.steps()[1]
+        assert r.request_span("a") is None and data.request_history(r, "a", 0) is None
+        state = data.state_end_of(r, last)
+        assert "a" in state.ledger
+        events, start, lo, hi = data.request_history(r, "a", 0, live_at=state.step)
+        assert (lo, hi) == (0, last) and start is None
+        life = views.lifeline("a", events, start_ledger=start)
+        assert life["released"] is None and life["violations"] == 0
+        assert [row["kv_committed_len"] for row in life["rows"]][-1] == 9  # 6 prefilled + 3 decoded

@@ -46,8 +46,19 @@ def test_small_pool_one_cell_per_page_with_exact_pixels():
         assert tuple(pm.image[10, col * 24 + 10]) == COLORS[state]
     assert tuple(pm.image[23, 10]) == BACKGROUND
     assert pm.rule == "1 cell = 1 page; page ids run left to right, 10 per row, page 0 at the top left"
-    assert pm.violation_runs == ((2, 3),)
+    assert pm.violation_runs == ((2, 3),) and pm.more_violation_runs is False
     assert page_map(owner).violation_runs == ()
+
+
+def test_violation_runs_say_whether_more_follow():
+    # Ten runs exactly are all named (no "more"); an eleventh is not named, and said to follow.
+    for n, more in ((10, False), (11, True)):
+        owner = np.full(4 * n + 1, FREE, np.int32)
+        owner[0] = RESERVED
+        owner[1 : 4 * n + 1 : 4] = 5  # one page of slot 5 every 4 pages
+        pm = page_map(owner, violation_slots=[5])
+        assert pm.violation_runs == tuple((p, p) for p in range(1, 4 * min(n, 10) + 1, 4))
+        assert pm.more_violation_runs is more
     assert [(k, n) for k, _, _, n in pm.legend] == [(k, pm.counts[k]) for k in STATES]
     assert dict((k, c) for k, _, c, _ in pm.legend)["violation"] == "#dc2626"
 

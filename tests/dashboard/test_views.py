@@ -39,6 +39,12 @@ def test_violation_rows_newest_first_and_limited():
         ("#2 step 7 · request_leak", 7),
         ("#3 step 9 · pool_conservation · 12", 9),
     ]
+    # Retention kept the violation of step 3, not its step: the picker goes to the oldest kept step and says so.
+    assert views.jump_targets(vs, (5, 8)) == [
+        ("#1 step 3 · double_free · a (step 3 is no longer kept: shows step 5)", 5),
+        ("#2 step 7 · request_leak", 7),
+        ("#3 step 9 · pool_conservation · 12 (step 9 is no longer kept: shows step 8)", 8),
+    ]
     assert views.violation_lines(vs[:2]) == [
         ":red[**double_free**] · request **a** · free (full): m",
         ":red[**request_leak**] · no request · free (full): m",

@@ -38,7 +38,7 @@ from exporters.recorder import (
     decode_event,
     encode_event,
 )
-from instrumented_alloc import Violation
+from instrumented_alloc import Violation, replay
 from instrumented_alloc import events as ev
 from instrumented_alloc.replay import EventsLost, IncompleteHistory
 from tests.engine_model import Req, t
@@ -1009,3 +1009,42 @@ def test_hashed_request_ids(tmp_path, make_rid):
         assert any(str(rid) in text for text in raw_texts), rid
     assert any(_pseudonym(victim.rid) in text for text in hashed_texts)
     assert not any(HASH_KEY.decode() in text for text in hashed_texts)
+
+
+def _stuck_writer(rec, monkeypatch):
+    """Hold the writer in its next write until the returned gate is set; ``entered`` is set once it is held."""
+    gate, entered = threading.Event(), threading.Event()
+    real_write = rec._write
+
+    def stuck_write(*item):
+        entered.set()
+        gate.wait(10)
+        return real_write(*item)
+
+    monkeypatch.setattr(rec, "_write", stuck_write)
+    return gate, entered
+
+
+def test_batches_refused_at_the_end_get_their_marker_at_close(tmp_path, monkeypatch):
+    # The marker of refused batches is written before the next accepted one; at the end there is none, so close()
+    # writes it: replay of the last step must not cross the events lost there (it showed them as never made).
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "end.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=1000, queue_size=1, flush_interval=0.01)
+    gate, entered = _stuck_writer(rec, monkeypatch)
+    e.w.step()
+    assert entered.wait(5)  # the writer holds the boundary's batch
+    e.w.step()  # queued: the queue is full now
+    seqs = []
+    e.w.subscribe(lambda batch: seqs.extend(x.seq for x in batch))
+    e.extend([Req("a")], [6])  # refused
+    e.extend([Req("b")], [3])  # refused
+    assert e.w.bus.dropped["recorder"] == len(seqs) > 0
+    gate.set()
+    rec.close()
+    with Recording(path) as r:
+        (marker,) = r.events(kinds=["EventsLost"])
+        assert (marker.first_seq, marker.last_seq, marker.n_events) == (seqs[0], seqs[-1], len(seqs))
+        assert marker.step == 2 and r.steps() == (0, 2)
+        with pytest.raises(IncompleteHistory):
+            replay.apply(r.state_at(2), r.events(start=2, stop=3))
