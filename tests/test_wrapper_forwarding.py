@@ -637,16 +637,16 @@ def test_random_sequences_over_sglang_classes(name, need_sort, verify, data):
     assert e.w.deferred is (verify == "deferred")
 
 
+# SWA allocators at page size 1, 10 full and 8 SWA slots: ours and SGLang's.
+SWA1_SMALL = [
+    lambda: SWATokenToKVPoolAllocator(10, 8, 1, F16, "cpu", None, False),
+    _sg(True, lambda: sglang_compat.make_sglang_swa(10, 8, 1)),
+]
+
+
 # -- an inner that raises after changing one pool of two ----------------------------------------------------------
 @pytest.mark.parametrize("verify", ["immediate", "deferred"])
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: SWATokenToKVPoolAllocator(10, 8, 1, F16, "cpu", None, False),
-        _sg(True, lambda: sglang_compat.make_sglang_swa(10, 8, 1)),
-    ],
-    ids=["ours-swa1", "sglang-swa1"],
-)
+@pytest.mark.parametrize("make", SWA1_SMALL, ids=["ours-swa1", "sglang-swa1"])
 def test_a_free_that_raises_between_its_pools_is_mirrored_pool_by_pool(make, verify):
     # An engine bug first: free_swa of a slot with no SWA peer puts SWA page 0 on the SWA free list (the inner's
     # over-credit assert fires). From then on a free of both pools releases the SWA side, asserts, and never frees
@@ -704,14 +704,7 @@ def test_a_second_release_is_refused_at_the_call_under_either_verification(verif
 
 
 @pytest.mark.parametrize("verify", ["immediate", "deferred"])
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: SWATokenToKVPoolAllocator(10, 8, 1, F16, "cpu", None, False),
-        _sg(True, lambda: sglang_compat.make_sglang_swa(10, 8, 1)),
-    ],
-    ids=["ours-swa1", "sglang-swa1"],
-)
+@pytest.mark.parametrize("make", SWA1_SMALL, ids=["ours-swa1", "sglang-swa1"])
 def test_a_free_group_end_that_raises_leaves_the_group(make, verify):
     # After the same engine bug (SWA page 0 listed free), free_group_end releases the held pages and its SWA
     # over-credit assert fires: the inner has left its group, and so must the shadow, with the pools it released

@@ -84,27 +84,18 @@ def test_a_step_whose_own_events_were_lost_is_not_rebuilt(tmp_path, monkeypatch)
     # Step 2's boundary was recorded, its events were refused (the writer held up, the queue full), and the next
     # batch accepted is step 3's boundary: the loss marker is stamped 3, so the events stamped 2 alone do not
     # cross it. The end of step 2 must be refused, not shown without the lost events.
-    import threading
-
     import torch
 
     from exporters.recorder import FlightRecorder
     from instrumented_alloc import InstrumentedAllocator
     from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
     from tests.engine_model import Req, extend_args, split_extend
+    from tests.exporters.test_recorder import stuck_writer
 
     w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
     path = tmp_path / "lost.sqlite"
     rec = FlightRecorder(w, path, snapshot_every=1000, queue_size=1, flush_interval=0.01)
-    gate, entered = threading.Event(), threading.Event()
-    real_write = rec._write
-
-    def stuck_write(*item):
-        entered.set()
-        gate.wait(10)
-        return real_write(*item)
-
-    monkeypatch.setattr(rec, "_write", stuck_write)
+    gate, entered = stuck_writer(rec, monkeypatch)
     w.step()
     assert entered.wait(5)
     w.step()  # step 2's boundary: queued, the queue is full now

@@ -806,11 +806,8 @@ def test_retention_by_bytes_bounds_the_file(tmp_path):
             assert_state_equals(r.state_at(step), snaps[step], step)
 
 
-# -- the bounded queue: a full queue drops, never blocks, and replay does not cross the gap ---------------------------
-def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
-    e = Engine("paged-4", False, "immediate")
-    path = tmp_path / "q.db"
-    rec = FlightRecorder(e.w, path, snapshot_every=1000, queue_size=2, flush_interval=0.01)
+def stuck_writer(rec, monkeypatch):
+    """Hold the writer in its next write until the returned gate is set; ``entered`` is set once it is held."""
     gate, entered = threading.Event(), threading.Event()
     real_write = rec._write
 
@@ -820,6 +817,15 @@ def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
         return real_write(*item)
 
     monkeypatch.setattr(rec, "_write", stuck_write)
+    return gate, entered
+
+
+# -- the bounded queue: a full queue drops, never blocks, and replay does not cross the gap ---------------------------
+def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "q.db"
+    rec = FlightRecorder(e.w, path, snapshot_every=1000, queue_size=2, flush_interval=0.01)
+    gate, entered = stuck_writer(rec, monkeypatch)
     snaps: dict = {}
     pick = RandomPick(2)
 
@@ -1011,27 +1017,13 @@ def test_hashed_request_ids(tmp_path, make_rid):
     assert not any(HASH_KEY.decode() in text for text in hashed_texts)
 
 
-def _stuck_writer(rec, monkeypatch):
-    """Hold the writer in its next write until the returned gate is set; ``entered`` is set once it is held."""
-    gate, entered = threading.Event(), threading.Event()
-    real_write = rec._write
-
-    def stuck_write(*item):
-        entered.set()
-        gate.wait(10)
-        return real_write(*item)
-
-    monkeypatch.setattr(rec, "_write", stuck_write)
-    return gate, entered
-
-
 def test_batches_refused_at_the_end_get_their_marker_at_close(tmp_path, monkeypatch):
     # The marker of refused batches is written before the next accepted one; at the end there is none, so close()
     # writes it: replay of the last step must not cross the events lost there (it showed them as never made).
     e = Engine("paged-4", False, "immediate")
     path = tmp_path / "end.db"
     rec = FlightRecorder(e.w, path, snapshot_every=1000, queue_size=1, flush_interval=0.01)
-    gate, entered = _stuck_writer(rec, monkeypatch)
+    gate, entered = stuck_writer(rec, monkeypatch)
     e.w.step()
     assert entered.wait(5)  # the writer holds the boundary's batch
     e.w.step()  # queued: the queue is full now
