@@ -9,15 +9,21 @@ length written through the ledger; at the end every request is freed (SWA segmen
 Everything the allocator reads on the device stays there: ``seq_lens`` and ``last_loc`` are device tensors updated
 on the device, ``*_cpu`` twins are host tensors, the request rows live in a device ``req_to_token`` table, and the
 frees take slices of it. Allocators: paged (page size 16) and SWA (page size 16), each bare, then wrapped with
-``mode="off"``, ``mode="record", verify="auto"`` (deferred on CUDA) and ``verify="deferred"``.
+``mode="off"``, ``mode="record", verify="auto"`` (deferred on CUDA: the same configuration as the next, kept as
+the default an engine gets), ``mode="record", verify="deferred"``, ``mode="raise", verify="deferred"``, and
+record/deferred with a sink that has every event kind built (the exporters' event paths: page deltas, ledger
+updates, step boundaries, snapshots every 8 steps). Page size 1, free groups and need_sort are not in this loop.
 
 Counting: ``set_sync_debug_mode("warn")`` makes every synchronising CUDA call (``.item()``, ``.cpu()``,
 ``nonzero``, a D2H copy...) warn; the warnings raised inside each operation are counted by operation, bare and
 wrapped, and the table reports the difference (the target: the wrapper adds none; the bare allocators have their
-own, e.g. ``torch.unique`` in a set-shaped ``free``, which SGLang has too). Then the same loop runs once more
-under ``set_sync_debug_mode("error")`` for each wrapped configuration whose count added nothing, as the proof.
-``step()`` is outside the counted operations but inside the "error" run: it must not wait on the device either
-(``flush()`` and ``check_consistency()`` may, and are called after the loop, outside it).
+own, e.g. ``torch.unique`` in a set-shaped ``free``, which SGLang has too). ``step()`` and ``release_request``
+are counted too (the bare allocator has neither: any sync there is the wrapper's): under deferred verification a
+call only queues its check, which runs at a later ``step()``. Then the same loop runs once more per configuration
+under ``set_sync_debug_mode("error")``, as the proof: around every call but the allocator's own extend and final
+frees (which synchronise in the bare allocator too), so every ``step()`` (the one after the extend, each decode
+step's, the one after the final frees and releases, where those calls' deferred checks run) and every release
+is in it. ``flush()`` and ``check_consistency()`` may wait, and are called after it, outside.
 
 On a machine without CUDA it says so and exits 2; ``--device cpu`` runs the same loop on the CPU without the
 sync check (a smoke test of the script, used by the tests). Runs in well under a minute on a GPU.
@@ -40,8 +46,22 @@ from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenT
 I64 = torch.int64
 PS = 16
 WINDOW = 64
-CONFIGS = (("bare", None, None), ("off", "off", "auto"), ("record auto", "record", "auto"),
-           ("record deferred", "record", "deferred"))
+# (label, mode, verify, a sink that has every event built)
+CONFIGS = (("bare", None, None, False), ("off", "off", "auto", False), ("record auto", "record", "auto", False),
+           ("record deferred", "record", "deferred", False), ("raise deferred", "raise", "deferred", False),
+           ("record def+sink", "record", "deferred", True))
+
+
+class _AllEvents:
+    """A sink that reads every event kind (none declared), so the wrapper builds them all; keeps a count only."""
+
+    name = "gpu-check"
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, batch) -> None:
+        self.n += len(batch)
 
 
 class _Counter:
@@ -63,26 +83,48 @@ class _Counter:
         return out
 
 
-def _make(kind: str, device, mode, verify, tokens: int):
+def _make(kind: str, device, mode, verify, tokens: int, sink: bool = False):
     if kind == "swa":
         inner = SWATokenToKVPoolAllocator(tokens, tokens, PS, torch.float16, device)
     else:
         inner = PagedTokenToKVPoolAllocator(tokens, PS, torch.float16, device)
     if mode is None:
         return inner, None
-    w = InstrumentedAllocator(inner, mode=mode, verify=verify, sliding_window=WINDOW if kind == "swa" else None)
+    w = InstrumentedAllocator(
+        inner, mode=mode, verify=verify, sliding_window=WINDOW if kind == "swa" else None,
+        snapshot_every=8 if sink else 0,
+    )
+    if sink:
+        w.subscribe(_AllEvents())
     return w, (w.ledger if mode != "off" else None)
 
 
+class _Strict:
+    """``set_sync_debug_mode("error")`` switched on and off around parts of a loop (CUDA and ``strict`` only)."""
+
+    def __init__(self, device: torch.device, strict: bool):
+        self.active = strict and device.type == "cuda"
+
+    def on(self) -> None:
+        if self.active:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def off(self) -> None:
+        if self.active:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def run_loop(kind: str, device: torch.device, mode, verify, *, batch: int, steps: int, evict_every: int,
-             counting: bool, strict: bool = False) -> tuple[Counter, float]:
-    """One loop; returns (sync warnings by op, seconds per decode step incl. the step boundary). ``strict``: the
-    decode loop (decode, evictions, ledger writes, ``step()``) runs under ``set_sync_debug_mode("error")``."""
+             counting: bool, strict: bool = False, sink: bool = False) -> tuple[Counter, float]:
+    """One loop; returns (sync warnings by op, seconds per decode step incl. the step boundary). ``strict``: all but
+    the allocator's own extend and final frees run under ``set_sync_debug_mode("error")`` (see the module
+    docstring)."""
     prompt = 3 * PS + 5
     max_len = prompt + steps + PS
     tokens = (batch * (max_len // PS + 2) + 4) * PS
-    alloc, ledger = _make(kind, device, mode, verify, tokens)
+    alloc, ledger = _make(kind, device, mode, verify, tokens, sink)
     count = _Counter(device, counting)
+    strict_mode = _Strict(device, strict)
     rids = [f"r{i}" for i in range(batch)]
     req_to_token = torch.zeros((batch, max_len), dtype=I64, device=device)
     zeros_cpu = torch.zeros(batch, dtype=I64)
@@ -95,34 +137,47 @@ def run_loop(kind: str, device: torch.device, mode, verify, *, batch: int, steps
         out = count("alloc_extend", alloc.alloc_extend, zeros, zeros_cpu, seq, seq_cpu, last, batch * prompt)
     req_to_token[:, :prompt] = out.view(batch, prompt)
     last = out.view(batch, prompt)[:, -1]
-    if mode is not None:
-        alloc.step()
+    strict_mode.on()
+    try:
+        if mode is not None:
+            count("step", alloc.step)  # the extend's deferred check runs here once its copy has landed
+    finally:
+        strict_mode.off()
     if device.type == "cuda":
         torch.cuda.synchronize()
-        if strict:
-            torch.cuda.set_sync_debug_mode("error")
     t0 = time.perf_counter()
+    strict_mode.on()
     try:
         _decode_loop(alloc, ledger, count, kind, mode, rids, req_to_token, seq, seq_cpu, last, prompt, steps,
                      evict_every, bind)
     finally:
-        if strict and device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+        strict_mode.off()
     if device.type == "cuda":
         torch.cuda.synchronize()
     per_step = (time.perf_counter() - t0) / steps
     length = prompt + steps
     evicted = _last_eviction(prompt, steps, evict_every) if kind == "swa" else 0
     for i in range(batch):
+        # The bare allocators' own frees synchronise (torch.unique): outside the strict region, counted as usual.
         if kind == "swa":
             count("free_swa_segment", alloc.free_swa_segment, req_to_token[i, evicted:length], start_pos=evicted)
             count("free_full", alloc.free_full, req_to_token[i, :length])
         else:
             count("free", alloc.free, req_to_token[i, :length])
         if ledger is not None:
-            alloc.release_request(rids[i])
+            strict_mode.on()
+            try:
+                count("release_request", alloc.release_request, rids[i])
+            finally:
+                strict_mode.off()
     if mode not in (None, "off"):
-        alloc.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the frees' copies have landed: their checks run in this step()
+        strict_mode.on()
+        try:
+            count("step", alloc.step)
+        finally:
+            strict_mode.off()
         alloc.flush()  # may wait: outside the loop, as an engine's idle check
         found = alloc.check_consistency()
         if found or alloc.violation_counts:
@@ -149,7 +204,7 @@ def _decode_loop(alloc, ledger, count, kind, mode, rids, req_to_token, seq, seq_
                         count("ledger write", setattr, ledger[rid], "swa_evicted_seqlen", new)
                 evicted = new
         if mode is not None:
-            alloc.step()
+            count("step", alloc.step)
 
 
 def _last_eviction(prompt: int, steps: int, evict_every: int) -> int:
@@ -191,8 +246,8 @@ def main(argv=None) -> int:
     for kind in ("paged", "swa"):
         base = None
         times: dict[str, list[float]] = {}
-        for label, mode, verify in CONFIGS:
-            kw = dict(batch=args.batch, steps=args.steps, evict_every=args.evict_every)
+        for label, mode, verify, sink in CONFIGS:
+            kw = dict(batch=args.batch, steps=args.steps, evict_every=args.evict_every, sink=sink)
             run_loop(kind, device, mode, verify, counting=False, **kw)  # warm-up (allocator kernels, caches)
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")

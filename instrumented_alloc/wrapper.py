@@ -15,8 +15,10 @@ Contracts:
 - No device sync: the host tier reads only ``*_cpu`` tensors, Python ints and tensor metadata. The slot tier reads
   the values of handed-out / freed indices: at once when they are CPU tensors (``verify="auto"`` or
   ``"immediate"``); otherwise (``verify="deferred"``, or accelerator tensors under ``"auto"``) they are copied
-  with ``non_blocking=True`` (into pinned memory on CUDA, with an event) and verified in call order at the next
-  ``step()`` whose copies are complete, or at ``flush()`` / ``check_consistency()`` (which may wait). Deferred,
+  with ``non_blocking=True`` (into pinned memory on CUDA, with an event recorded on the copy's stream, the current
+  stream of the tensors' own GPU) and verified in call order at the next ``step()`` whose copies are complete, or
+  at ``flush()`` / ``check_consistency()`` (which may wait). Only CUDA has that path: on another accelerator (XPU,
+  MPS, HPU...) the copies are plain blocking ones, a sync per instrumented call. Deferred,
   a free's effect on its pages' owners' ledgers lands there too, after the host tier of the calls made since:
   where a fault left one page with two requests (``duplicate_allocation``), a later free of it can move the other
   request's ledger after that request's own later writes, so findings about those requests may differ from
@@ -2622,8 +2624,11 @@ class InstrumentedAllocator:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)
                 copies.append(buf)
+            # The copies run on the current stream of the tensors' own GPU, which need not be the current device
+            # (an engine that never set_device to the allocator's GPU): the event goes on that stream, or it could
+            # complete before the copies have.
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(tensors[0].device))
         else:
             # The caller may reuse its tensor (a view of req_to_token) before the boundary: keep a copy.
             copies = [t.detach().to("cpu", copy=True) for t in tensors]

@@ -12,11 +12,13 @@ def test_the_loop_runs_clean_on_the_cpu(capsys):
     assert gpu_sync_check.main(["--device", "cpu", "--steps", "40", "--batch", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("paged ", "swa "))]
-    assert rows == [[k, c] for k in ("paged", "swa") for c in ("bare", "off", "record", "record")]
+    labels = [label.split()[0] for label, *_ in gpu_sync_check.CONFIGS]
+    assert labels == ["bare", "off", "record", "record", "raise", "record"]
+    assert rows == [[k, c] for k in ("paged", "swa") for c in labels]
     for kind in ("paged", "swa"):  # every wrapped configuration ran its loop and its final sweep without a finding
-        for mode, verify in (("record", "auto"), ("record", "deferred")):
+        for _, mode, verify, sink in gpu_sync_check.CONFIGS[1:]:
             syncs, per_step = gpu_sync_check.run_loop(kind, torch.device("cpu"), mode, verify, batch=3, steps=33,
-                                                      evict_every=8, counting=False)
+                                                      evict_every=8, counting=False, sink=sink)
             assert per_step > 0 and syncs == {}
 
 
