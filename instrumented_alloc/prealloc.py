@@ -80,18 +80,25 @@ def alloc_for_decode_prealloc(
 ) -> torch.Tensor | None:
     """Preallocate KV for ``fill_len`` transferred tokens: full KV for all of them, SWA KV for all of them
     (``alloc_extend``) or, with ``swa_tail_len``, only for the window's tail (``alloc_extend_swa_tail``).
-    Returns the full-pool slots, or None when the pool is short."""
+    Page size 1 allocates with ``alloc(fill_len)``, SWA KV for every token, a tail or not, as SGLang's scheduler
+    does there. Returns the full-pool slots, or None when the pool is short."""
     fill_len = check_int("fill_len", fill_len)
     led = _ledger_for(allocator, ledger)
     ps = int(allocator.page_size)
+    if swa_tail_len is not None:
+        tail = check_int("swa_tail_len", swa_tail_len)
+        if tail > fill_len:
+            raise ArgumentValueError("swa_tail_len", f"{tail} exceeds fill_len {fill_len}")
+    if ps == 1:
+        out = _allocate(allocator, rid, lambda: allocator.alloc(fill_len))
+        if out is not None:
+            _write_record(led, rid, fill_len, ps, None)
+        return out
     args = _batch_of_one(allocator.device, fill_len)
     if swa_tail_len is None:
         out = _allocate(allocator, rid, lambda: allocator.alloc_extend(*args, fill_len))
         evicted = None
     else:
-        tail = check_int("swa_tail_len", swa_tail_len)
-        if tail > fill_len:
-            raise ArgumentValueError("swa_tail_len", f"{tail} exceeds fill_len {fill_len}")
         out = _allocate(allocator, rid, lambda: allocator.alloc_extend_swa_tail(*args, fill_len, tail))
         evicted = fill_len - tail
     if out is not None:

@@ -171,6 +171,30 @@ def test_prealloc_without_tail_on_paged():
     assert owned_pages(w, "p") == {"full": 3}
 
 
+@pytest.mark.parametrize("kind", ["ours-token", "ours-swa1", "sglang-token", "sglang-swa1"])
+def test_prealloc_at_page_size_1_allocates_with_alloc(kind):
+    # SGLang's scheduler preallocates with alloc(delta_len) at page size 1 (SWA KV for every token, a tail or
+    # not): so does the helper, on our allocators and SGLang's own behind the wrapper.
+    from instrumented_alloc.allocators import TokenToKVPoolAllocator
+    from tests import sglang_compat
+
+    if kind.startswith("sglang"):
+        sglang_compat.require_sglang(kind.endswith("swa1"))
+    make = {
+        "ours-token": lambda: TokenToKVPoolAllocator(64, F16, "cpu", None, False),
+        "ours-swa1": lambda: SWATokenToKVPoolAllocator(64, 48, 1, F16, "cpu", None, False),
+        "sglang-token": lambda: sglang_compat.make_sglang_token(64),
+        "sglang-swa1": lambda: sglang_compat.make_sglang_swa(64, 48, 1),
+    }[kind]
+    swa1 = kind.endswith("swa1")
+    w = InstrumentedAllocator(make(), mode="raise", sliding_window=8 if swa1 else None)
+    out = alloc_for_decode_prealloc(w, rid="p", fill_len=5, swa_tail_len=3 if swa1 else None)
+    assert out.tolist() == [1, 2, 3, 4, 5]
+    assert record(w, "p") == (5, 5, 0)
+    assert owned_pages(w, "p") == ({"full": 5, "swa": 5} if swa1 else {"full": 5})
+    assert list(w.violations) == []
+
+
 # -- over a bare allocator with a standalone ledger ----------------------------------------------------------------
 def test_prealloc_bare_with_standalone_ledger_aligned():
     bare = swa()

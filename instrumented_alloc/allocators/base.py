@@ -124,6 +124,13 @@ class BaseTokenToKVPoolAllocator:
         return free_index.clone()
 
 
+def assert_not_over_credited(pool, op: str) -> None:
+    """SGLang's own post-condition after a free: a pool can never list more free slots than it has (an over-free,
+    a double free). Like SGLang's assert it fires after the state changed; the wrapper catches the fault before."""
+    if pool.available_size() > pool.size:
+        raise AssertionError(f"{op}: pool has {pool.available_size()} free slots but only {pool.size} slots")
+
+
 def page_disjoint(segments, page_size: int):
     """Yield the non-empty segments, checking that each starts on a page after the previous one's last page.
 

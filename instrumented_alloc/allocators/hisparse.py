@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator
+from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, assert_not_over_credited
 from instrumented_alloc.allocators.paged import PagedTokenToKVPoolAllocator, new_pages_extend
 from instrumented_alloc.argcheck import ArgumentValueError, check_batch, check_index_tensor, check_int
 
@@ -185,6 +185,8 @@ class HiSparseTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             return
         self.logical_attn_allocator.free(free_index)
         self.free_hisparse(free_index)
+        assert_not_over_credited(self.logical_attn_allocator, "free")  # SGLang's post-conditions
+        assert_not_over_credited(self.hisparse_attn_allocator, "free")
 
     def free_group_begin(self) -> None:
         return

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator
+from instrumented_alloc.allocators.base import BaseTokenToKVPoolAllocator, assert_not_over_credited
 from instrumented_alloc.allocators.paged import PagedTokenToKVPoolAllocator, new_pages_extend
 from instrumented_alloc.allocators.token import TokenToKVPoolAllocator
 from instrumented_alloc.argcheck import (
@@ -296,27 +296,21 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             self.swa_page_ids_group.append(swa_pages)
             return
         self.swa_attn_allocator.free_page_ids(swa_pages)
-        self._assert_not_over_credited(self.swa_attn_allocator, "free_swa")
-
-    def _assert_not_over_credited(self, pool, op: str) -> None:
-        # SGLang's own post-condition: a pool can never list more free slots than it has (an over-free).
-        # Like SGLang's assert it fires after the state changed; the wrapper catches the fault before.
-        if pool.available_size() > pool.size:
-            raise AssertionError(f"{op}: pool has {pool.available_size()} free slots but only {pool.size} slots")
+        assert_not_over_credited(self.swa_attn_allocator, "free_swa")
 
     def _release_swa(self, swa_indices: torch.Tensor) -> None:
         if self.page_size > 1:
             # The page expansion picked up unmapped slots (0): drop them.
             swa_indices = swa_indices[swa_indices > 0]
         self.swa_attn_allocator.free(swa_indices)
-        self._assert_not_over_credited(self.swa_attn_allocator, "free_swa")
+        assert_not_over_credited(self.swa_attn_allocator, "free_swa")
 
     def free_full(self, free_index: torch.Tensor) -> None:
         check_index_tensor("free_index", free_index, self.device)
         if free_index.numel() == 0:
             return
         self.full_attn_allocator.free(free_index)
-        self._assert_not_over_credited(self.full_attn_allocator, "free_full")
+        assert_not_over_credited(self.full_attn_allocator, "free_full")
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         self._check_segment(free_index, start_pos)
@@ -346,8 +340,8 @@ class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             held, self.swa_free_group = self.swa_free_group, []
             self._release_swa(torch.cat(held))
         self.full_attn_allocator.free_group_end()
-        self._assert_not_over_credited(self.full_attn_allocator, "free_group_end")
-        self._assert_not_over_credited(self.swa_attn_allocator, "free_group_end")
+        assert_not_over_credited(self.full_attn_allocator, "free_group_end")
+        assert_not_over_credited(self.swa_attn_allocator, "free_group_end")
 
     def clear(self) -> None:
         self.swa_attn_allocator.clear()

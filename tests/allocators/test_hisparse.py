@@ -227,6 +227,18 @@ def test_free_derived_mixed_logical_only_and_mapped():
     assert a.available_size() == min(len(m.logical), len(m.device)) * PS
 
 
+def test_a_free_that_over_credits_a_pool_asserts_after_the_change_as_sglang():
+    # SGLang's HiSparse free asserts, after freeing, that neither pool lists more free slots than it has: a double
+    # free with the pools nearly empty trips it. The state changed before the assert, as in SGLang.
+    a = make(device_pages=4, ratio=2)
+    out = call(a, "alloc_extend", [0], [16], [-1])  # every device page
+    a.free(out)
+    before = a.logical_attn_allocator.free_pages.clone()
+    with pytest.raises(AssertionError, match=r"^free: pool has \d+ free slots but only \d+ slots$"):
+        a.free(out)
+    assert len(a.logical_attn_allocator.free_pages) > len(before)  # freed again: listed twice
+
+
 def test_free_empty_is_noop():
     a = make()
     call(a, "alloc_extend", [0], [6], [-1])
