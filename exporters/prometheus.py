@@ -685,7 +685,9 @@ class PrometheusExporter:
             ):
                 self._mp_space.reserve()  # a series is about to be written for the first time
             for name, labels, value in gauges:
-                self._gauges[name].labels(*self._const_values, *labels).set(float(value))
+                g = self._gauges[name]
+                # A gauge with no label at all (no const labels, none of its own) is its own series.
+                (g.labels(*self._const_values, *labels) if (self._const_values or labels) else g).set(float(value))
                 series.add((name, labels))
             for sink, n in dropped.items():
                 seen = self._dropped_seen.get(sink, 0)

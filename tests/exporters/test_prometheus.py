@@ -338,6 +338,42 @@ def test_multiprocess_two_ranks_aggregate(tmp_path):
     assert sum(_find(s, "kvalloc_invariant_violations_total", invariant="double_free").values()) == 2
 
 
+NO_LABELS_CHILD = r"""
+import json, os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.prometheus import PrometheusExporter
+
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+exp = PrometheusExporter(w, refresh_interval=0.0)  # one rank: no const labels
+with w.batch(["a"]):
+    w.alloc(8)
+w.step()
+exp.close()
+print("RESULT ok")
+"""
+
+
+def test_multiprocess_without_const_labels(tmp_path):
+    # A single rank under PROMETHEUS_MULTIPROC_DIR with no const labels: the gauges without labels of their own
+    # are their own series (prometheus_client refused .labels() on them, and the constructor failed).
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    p = subprocess.run(
+        [sys.executable, "-c", NO_LABELS_CHILD, str(mp_dir)], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stderr[-3000:]
+    s = _mp_samples(mp_dir)
+    assert _find(s, "kvalloc_page_size_tokens") == {(): 4.0}
+    assert _find(s, "kvalloc_requests_live") == {(): 1.0}
+    assert _find(s, "kvalloc_pages", pool="full", state="used") == {(("pool", "full"), ("state", "used")): 2.0}
+
+
 def test_multiprocess_needs_the_directory(monkeypatch):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
