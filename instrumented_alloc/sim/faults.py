@@ -48,7 +48,8 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "segment-unaligned",
-            "a segment free (SWA eviction, or a retraction on a dense model) starts off a page boundary",
+            "a segment free (an SWA eviction, or a finishing request's free on a dense model) starts off a page "
+            "boundary",
             "segment_start_unaligned",
             needs_pages=True,
         ),

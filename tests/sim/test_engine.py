@@ -172,3 +172,25 @@ def test_raise_mode_stops_at_the_fault():
         eng.run(1000)
     assert info.value.invariant == "swa_evicted_seqlen_page_aligned"
     assert info.value.violation.step == eng.fired[0].step
+
+
+def test_leak_and_double_free_at_one_finish_do_not_cancel():
+    # Both armed for a step where one request finishes alone: the leak keeps its pages, so the double free waits
+    # for the next request freed (its "second" free of the leaked request would have been its first, and the two
+    # faults cancelled: no violation at all).
+    from instrumented_alloc.sim import parse_trace
+
+    trace = parse_trace(
+        [
+            '{"arrival": 0, "prompt_len": 100, "output_len": 300}',
+            '{"arrival": 500, "prompt_len": 300, "output_len": 200}',
+            '{"arrival": 501, "prompt_len": 40, "output_len": 30}',
+        ],
+        "t.jsonl",
+    )
+    e = build_engine("dense", inject=["leak@520", "double-free@520"], steps=900, trace=trace)
+    e.run(900)
+    fired = {f.fault: f for f in e.fired}
+    assert set(fired) == {"leak", "double-free"} and fired["leak"].rid != fired["double-free"].rid
+    assert fired["double-free"].step > fired["leak"].step
+    assert dict(e.alloc.violation_counts) == {"request_leak": 1, "double_free": 1}
