@@ -2193,7 +2193,31 @@ class InstrumentedAllocator:
         return [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
 
     def _swa_parts(self, free_index, op):
-        return None if self._w_st.swa is None else self._swa_set_part(free_index)
+        if self._w_st.swa is None:
+            return None
+        return [*self._swa_set_part(free_index), self._full_range_check(free_index, op)]
+
+    def _full_range_check(self, free_index, op):
+        """``free_swa`` names full-pool slots only to look up their SWA peers: a slot outside the full pool reads
+        as no peer there (the clipped lookup), while the inner indexes its mapping with it (a negative slot wraps
+        around to a live request's peer). Reported as ``free_unallocated`` (raise mode refuses host indices
+        before the call, as for any free)."""
+        full = self._w_st.full.shadow
+        ps = self._w_ps
+
+        def check(idx):
+            pages = idx // ps  # floor: a negative slot's page is negative
+            oob = pages[(pages < 0) | (pages > full.num_pages)]
+            if oob.size:
+                self._violate(
+                    "free_unallocated",
+                    f"{op} frees slots outside the full pool (valid pages 1..{full.num_pages}): "
+                    f"{idx[(pages < 0) | (pages > full.num_pages)][:8].tolist()} ({oob.size} slots)",
+                    op=op,
+                    pool="full",
+                )
+
+        return (None, check, (free_index,))
 
     def _swa_segment_parts(self, free_index, op):
         return None if self._w_st.swa is None else [self._swa_segment_part(free_index, op)]

@@ -779,3 +779,32 @@ def test_a_free_group_end_that_raises_before_releasing_keeps_the_pages_held(veri
     assert owner[1:3].tolist() == [sh.HELD_SET] * 2  # lost to the inner: held for good
     assert owner[3:5].tolist() == [sh.FREE] * 2 and sorted(inner.free_pages.tolist()) == [3, 4, 5, 6, 7, 8]
     assert w.check_consistency() == [] and [v.invariant for v in w.violations] == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SWATokenToKVPoolAllocator(96, 96, 4, F16, "cpu", None, False),
+        _sg(True, lambda: sglang_compat.make_sglang_swa(96, 96, 4)),
+    ],
+    ids=["ours-swa4", "sglang-swa4"],
+)
+def test_free_swa_of_slots_outside_the_full_pool_is_refused_in_raise_mode(make):
+    # free_swa names full slots only to find their SWA peers. A negative slot read as "no peer" here while the
+    # inner's torch indexing wrapped it around to a live request's peer and freed its SWA pages: not refused, not
+    # reported. Now free_unallocated, refused before the call in raise mode, the inner untouched.
+    inner, bare = make(), make()
+    w = InstrumentedAllocator(inner, mode="raise", verify="immediate", sliding_window=13)
+    a = Req("a")
+    with w.batch(["a"]):
+        out = w.alloc_extend(*extend_args([a], [96]))  # every page of both pools
+    assert torch.equal(out, bare.alloc_extend(*extend_args([Req("a")], [96])))
+    for slot in (-5, 102):
+        with pytest.raises(AssertionError) as info:
+            w.free_swa(t([slot]))
+        assert str(info.value) == (
+            f"[free_unallocated] free_swa frees slots outside the full pool (valid pages 1..24): [{slot}] (1 slots) "
+            "(op=free_swa pool=full step=0)"
+        )
+    assert allocator_state(inner) == allocator_state(bare) and inner.swa_available_size() == 0
+    assert w.check_consistency() == []
