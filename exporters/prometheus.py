@@ -405,7 +405,6 @@ class PrometheusExporter:
         self._pub_obs: dict = {}  # op or _PEAK -> the counts per bucket last published
         self._aggregate = not self.multiprocess
         self._mp_space: _MpSpace | None = None
-        self._mp_series: set = set()  # multiprocess gauge series written at least once (refresh)
         try:
             if self.multiprocess:
                 modes = sorted({mode for *_, mode in _GAUGES})
@@ -676,20 +675,15 @@ class PrometheusExporter:
         try:
             self._last_refresh = self._clock()
             fig = stats.figures(self._alloc.snapshot(wait=False))
-            gauges = list(self._gauge_values(fig))
-            dropped = self._alloc.bus.drop_counts()
-            series = self._mp_series
-            if self._mp_space is not None and (
-                any((name, labels) not in series for name, labels, _ in gauges)
-                or any(sink not in self._dropped_seen for sink in dropped)
-            ):
-                self._mp_space.reserve()  # a series is about to be written for the first time
-            for name, labels, value in gauges:
+            # A refresh may write a series for the first time (a new sink's dropped count): reserve first. Once
+            # per refresh (rate-limited): a few system calls per file, a no-op while the space is there.
+            if self._mp_space is not None:
+                self._mp_space.reserve()
+            for name, labels, value in self._gauge_values(fig):
                 g = self._gauges[name]
                 # A gauge with no label at all (no const labels, none of its own) is its own series.
                 (g.labels(*self._const_values, *labels) if (self._const_values or labels) else g).set(float(value))
-                series.add((name, labels))
-            for sink, n in dropped.items():
+            for sink, n in self._alloc.bus.drop_counts().items():
                 seen = self._dropped_seen.get(sink, 0)
                 child = self._dropped_counter.labels(*self._const_values, str(sink))
                 if n > seen:

@@ -1333,9 +1333,7 @@ class FlightRecorder:
         self._stopped = True
         # Batches refused at the end, with none accepted after them, get their EventsLost marker now (it is
         # otherwise written before the next accepted batch): replay must not cross them either.
-        gap = None
-        if self._gap_from is not None and self._gap_end is not None and self._gap_end[0] >= self._gap_from:
-            gap = (self._gap_from, *self._gap_end)
+        gap = None if self._gap_from is None else (self._gap_from, *self._gap_end)  # both set at each refusal
         try:
             self._queue.put(_Stop(end_time=float(self._clock()), dropped=self.dropped, lost=gap), timeout=timeout)
             self._wake.set()

@@ -187,13 +187,7 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
 
 
 def _open_dashboard(args, closers: list) -> None:
-    try:
-        from dashboard.launch import require_streamlit, start  # the Streamlit app; optional extra
-
-        require_streamlit()
-    except ImportError as exc:
-        extra = "pip install 'instrumented-alloc[dashboard]'"
-        raise UsageError(f"--dashboard needs the dashboard extra ({extra}): {exc}") from None
+    start = _dashboard_launcher().start
     try:
         server = start(os.path.abspath(args.record), port=args.dashboard_port)
     except (OSError, ValueError) as exc:
@@ -382,12 +376,7 @@ def _table(rows, right=frozenset()) -> None:
 def _dashboard(args: argparse.Namespace) -> int:
     if args.refresh is not None and args.refresh < 1:
         raise UsageError(f"--refresh must be >= 1 second, got {args.refresh:g}")
-    try:
-        from dashboard.launch import launch, require_streamlit  # the Streamlit app; optional extra
-
-        require_streamlit()
-    except ImportError as exc:
-        raise UsageError(f"needs the dashboard extra (pip install 'instrumented-alloc[dashboard]'): {exc}") from None
+    launch = _dashboard_launcher().launch
     try:
         return launch(args.recording, port=args.port, directory=args.dir, refresh=args.refresh)
     except (ValueError, OSError) as exc:
@@ -395,13 +384,24 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def _extra(name: str, extra: str):
-    """Import the exporter module ``name``; a missing optional dependency is bad input (exit 2) naming the extra."""
+    """Import the module ``name``; a missing optional dependency is bad input (exit 2) naming the extra."""
     import importlib
 
     try:
         return importlib.import_module(name)
     except ImportError as exc:
         raise UsageError(f"needs the {extra} extra (pip install 'instrumented-alloc[{extra}]'): {exc}") from None
+
+
+def _dashboard_launcher():
+    """``dashboard.launch``, once streamlit is known to be installed (the app runs as ``python -m streamlit``: no
+    import of it would fail before the child does)."""
+    launcher = _extra("dashboard.launch", "dashboard")
+    try:
+        launcher.require_streamlit()
+    except ImportError as exc:
+        raise UsageError(f"needs the dashboard extra (pip install 'instrumented-alloc[dashboard]'): {exc}") from None
+    return launcher
 
 
 def _presets(args: argparse.Namespace) -> int:
