@@ -214,9 +214,11 @@ class _CallState:
         "step",
         "steps",
         "swa",
+        "swa_frees",
         "time_decode",
         "tls",
         "to_raise",
+        "views",
         "want_alloc",
         "want_decode_alloc",
         "want_decode_ledger",
@@ -250,6 +252,8 @@ class _CallState:
         # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
         self.roll_key = None
         self.ledger = self.pools = self.full = self.swa = self.counts = None  # set by the wrapper's __init__
+        # Pool name -> the checked view of that pool's own allocator (see InstrumentedAllocator._w_sub).
+        self.views: dict = {}
 
 
 def _state_property(field: str, doc: str) -> property:
@@ -602,10 +606,59 @@ def _subclass_for(cls: type, base: type) -> type:
     for name in INSTRUMENTED_OPS:
         if not hasattr(cls, name):
             ns[name] = _Missing(name)
-    sub = type(f"Instrumented{cls.__name__}", (base, cls), ns)
+    sub = type(f"{getattr(base, '_w_class_prefix', 'Instrumented')}{cls.__name__}", (base, cls), ns)
     _forward_names(sub, _stored_names(cls))
     _SUBCLASSES[(base, cls)] = sub
     return sub
+
+
+class _PoolView:
+    """One pool's own allocator (an SWA allocator's ``full_attn_allocator`` or ``swa_attn_allocator``) as the
+    wrapper hands it out: SGLang's caches call these directly (the unified radix cache frees an evicted node's
+    full pages with ``full_attn_allocator.free_segment``, on purpose without the composite's peer check, before
+    its SWA component frees the SWA side; HiCache and external KV loads allocate and free on either side). A call
+    that bypassed the wrapper would change a pool behind its shadow, and every later call on those pages would
+    read as a fault (``duplicate_allocation``, ``pool_conservation``).
+
+    ``alloc``, ``free``, ``free_segment`` and ``free_page_ids`` are checked and mirrored as the wrapper's own
+    calls are, on this pool alone: pages handed out here belong to no request (a cache's), a free must release
+    pages in use, raise mode refuses a bad one before the call; the op is named ``<attribute>.<method>``
+    (``full_attn_allocator.free_segment``). No SWA peer check: these calls are below the mapping. Every other
+    name reads and writes through to the allocator, as the wrapper's own forwarding does (an instance of a class
+    made once per allocator class: ``isinstance`` answers as for the allocator). Other methods that change the
+    pool (``alloc_extend``, ``alloc_decode``, ``clear``, its free groups) are forwarded unchecked: SGLang calls
+    them on the composite allocator only. Threading and ordering: as the wrapper's calls (its lock)."""
+
+    _w_base = None
+    _w_class_prefix = "Checked"
+
+    def __setattr__(self, name, value):
+        setattr(self._w_inner, name, value)
+        cls = type(self)
+        if name not in cls.__dict__:
+            _forward_names(cls, (name,))
+
+    def __repr__(self) -> str:
+        return f"<checked view of {self._w_attr} of {self._w_owner!r}: {self._w_inner!r}>"
+
+    def alloc(self, need_size: int):
+        return self._w_owner._w_sub_alloc(self._w_attr, self._w_pool, need_size)
+
+    def free(self, free_index):
+        return self._w_owner._w_sub_free(self._w_attr, self._w_pool, "free", free_index, _ABSENT)
+
+    def free_segment(self, free_index, *, start_pos):
+        return self._w_owner._w_sub_free(self._w_attr, self._w_pool, "free_segment", free_index, start_pos)
+
+    def free_page_ids(self, page_ids):
+        return self._w_owner._w_sub_free(self._w_attr, self._w_pool, "free_page_ids", page_ids, _ABSENT)
+
+
+def _pool_view(owner, attr: str, pool: str, allocator) -> _PoolView:
+    view = object.__new__(_subclass_for(type(allocator), _PoolView))
+    for name, value in (("_w_inner", allocator), ("_w_owner", owner), ("_w_attr", attr), ("_w_pool", pool)):
+        object.__setattr__(view, name, value)
+    return view
 
 
 class InstrumentedAllocator:
@@ -695,7 +748,16 @@ class InstrumentedAllocator:
         full_alloc = getattr(inner, "full_attn_allocator", None)
         swa_alloc = getattr(inner, "swa_attn_allocator", None)
         logical = getattr(inner, "logical_attn_allocator", None)
-        if full_alloc is not None and swa_alloc is not None:
+        # Two SWA layouts of SGLang's that page one pool only (see _swa_frees): a per-request SWA ring (the SWA
+        # side lives in the request slot's ring, never lent by the SWA allocator: its frees are no-ops and the
+        # mapping is never written) and the all-SWA allocator (PureSWATokenToKVPoolAllocator, whose full and SWA
+        # allocators are one object: every free releases that one pool, free_full is a no-op).
+        ring = full_alloc is not None and swa_alloc is not None and getattr(inner, "swa_req_ring", False) is True
+        one_pool = full_alloc is not None and full_alloc is swa_alloc
+        s(self, "_w_swa_frees", "none" if ring else "pool" if one_pool else "peers")
+        if ring or one_pool:
+            names, allocs = ("full",), (full_alloc,)
+        elif full_alloc is not None and swa_alloc is not None:
             names, allocs = ("full", "swa"), (full_alloc, swa_alloc)
         elif logical is not None:
             names, allocs = ("full",), (logical,)
@@ -741,7 +803,12 @@ class InstrumentedAllocator:
         s(
             self,
             "_w_fast_free",
-            not deferred and ps > 1 and self._w_shift is not None and all(p.dedup_free for p in self._w_pools.values()),
+            not deferred
+            and ps > 1
+            and self._w_shift is not None
+            and all(p.dedup_free for p in self._w_pools.values())
+            # One pool for both sides: its free ops release it in other shapes than the fast path reads them.
+            and self._w_swa_frees != "pool",
         )
         s(self, "_w_off_batch", _OffBatch(self))
         # The constants again on the call state, the same objects (see _CallState): what the hot paths read.
@@ -785,6 +852,11 @@ class InstrumentedAllocator:
     _w_fast_free = _state_property("fast_free", "Immediate frees take the fast path first.")
     _w_consts = _state_property("consts", "Per-batch-size operands of the decode fast path.")
     _w_steps = _state_property("steps", "A decode run's steps after its opening decode (a column).")
+    _w_swa_frees = _state_property(
+        "swa_frees",
+        "What the SWA frees release: 'peers' (the SWA pool, through the mapping), 'none' (a per-request SWA ring: "
+        "no-ops) or 'pool' (one pool for both sides: the SWA frees release it, the full frees are no-ops).",
+    )
 
     @property
     def _w_bound(self):
@@ -811,6 +883,117 @@ class InstrumentedAllocator:
 
     def __repr__(self) -> str:
         return f"InstrumentedAllocator({self._w_inner!r}, mode={self.mode!r})"
+
+    # -- the pools' own allocators ----------------------------------------------------------------------------
+    @property
+    def full_attn_allocator(self):
+        """The inner's ``full_attn_allocator``: the pool's checked view (``_PoolView``) when it is a pool this
+        wrapper tracks, else the object itself; ``AttributeError`` as the inner's when it has none."""
+        return self._w_sub("full_attn_allocator")
+
+    @property
+    def swa_attn_allocator(self):
+        """The inner's ``swa_attn_allocator``, as ``full_attn_allocator`` (a per-request SWA ring's SWA allocator
+        is no tracked pool: the object itself)."""
+        return self._w_sub("swa_attn_allocator")
+
+    def _w_sub(self, attr: str):
+        sub = getattr(self._w_inner, attr)
+        st = self._w_st
+        if st.off:
+            return sub
+        for pool in st.pools.values():
+            if pool.allocator is sub:
+                view = st.views.get((attr, pool.name))
+                if view is None or view._w_inner is not sub:
+                    view = st.views[(attr, pool.name)] = _pool_view(self, attr, pool.name, sub)
+                return view
+        return sub
+
+    def _w_sub_alloc(self, attr: str, pool_name: str, need_size: int):
+        """``<attr>.alloc(need_size)`` through its view: forwarded, the pages handed out checked and mirrored as
+        held by no request (see ``_PoolView``)."""
+        st = self._w_st
+        with st.lock:
+            op = f"{attr}.alloc"
+            st.op = op
+            if st.fold is not None:
+                self._flush_fold()  # before this call changes any page a request's values are measured from
+            n = self._validate(op, check_int, "need_size", need_size)
+            pool = st.pools[pool_name]
+            before = [(pool.entries(), None)] if st.need_sort or len(st.pools) > 1 else None
+            t0 = st.clock()
+            out = pool.allocator.alloc(n)
+            dt = st.clock() - t0
+            if out is None:
+                if before is not None and pool.entries() != before[0][0]:
+                    pool.shadow.expected_entries = before[0][0]
+                    self._report(pool.shadow.check_count(pool.entries(), f"{op} returned None but"), pool_name, op)
+                if self.bus.wants(ev.AllocFailed):
+                    self._emit(
+                        ev.AllocFailed,
+                        op=op,
+                        pool=pool_name,
+                        requested=n,
+                        available=int(pool.allocator.available_size()),
+                        rids=(),
+                        duration=dt,
+                    )
+                self._finish()
+                return None
+            ps = st.ps
+            got = int(out.shape[0])
+            if got != (n if ps == 1 else n // ps * ps):
+                self._violate("alloc_length_mismatch", f"{op}({n}) returned {got} slots", op=op, pool=pool_name)
+
+            def verify(o):
+                if ps == 1:
+                    self._report(pool.shadow.on_alloc(o, -1, None, got, op), pool_name, op)
+                    return
+                starts = o[::ps]
+                if (starts % ps).any():
+                    self._violate(
+                        "slot_page_alignment",
+                        f"{op} returned a page not starting at a page boundary: slots {starts[:4].tolist()}",
+                        op=op,
+                        pool=pool_name,
+                    )
+                self._report(pool.shadow.on_alloc(starts // ps, -1, None, got // ps, op), pool_name, op)
+
+            self._slot_tier(verify, out)
+            if st.want_alloc:
+                st.seq = seq = st.seq + 1
+                st.events.append(_B_ALLOC(seq, st.clock(), st.step, op, pool_name, got, got // ps, (), dt))
+            self._finish()
+            return out
+
+    def _w_sub_free(self, attr: str, pool_name: str, method: str, index, start_pos):
+        """``<attr>.<method>`` (``free``, ``free_segment``, ``free_page_ids``) through its view: checked (the
+        pages must be in use; raise mode refuses a host-visible bad free before the call), forwarded, mirrored
+        on that pool alone (see ``_PoolView``)."""
+        st = self._w_st
+        op = f"{attr}.{method}"
+        with st.lock:
+            st.op = op
+            if st.fold is not None:
+                self._flush_fold()  # before the free changes any ledger value (see DecodeFold)
+            arg = "page_ids" if method == "free_page_ids" else "free_index"
+            if start_pos is _ABSENT:
+                self._validate(op, check_index_tensor, arg, index, st.device)
+            else:
+                self._segment_args(op, index, start_pos, pool=pool_name)
+            pool = st.pools[pool_name]
+            call = getattr(pool.allocator, method)
+            forward = (lambda: call(index)) if start_pos is _ABSENT else (lambda: call(index, start_pos=start_pos))
+            if index.numel() == 0:
+                return forward()
+            if method == "free":
+                part = self._set_part(pool, index)
+            elif method == "free_segment":
+                part = self._segment_part(pool, index)
+            else:
+                part = (pool, lambda p: (p, False, None), (index,))
+            return self._free(op, forward, [part])
 
     # -- public API beyond SGLang's ---------------------------------------------------------------------------
     @property
@@ -2176,6 +2359,8 @@ class InstrumentedAllocator:
         return parts if self._w_st.swa is None else self._swa_set_part(free_index) + parts
 
     def _free_full_parts(self, free_index, op):
+        if self._w_st.swa_frees == "pool":
+            return None  # one pool for both sides: its SWA frees released it, free_full is a no-op
         parts = self._full_set_part(free_index)
         return parts if self._w_st.swa is None else [self._peer_released_check(free_index, op), *parts]
 
@@ -2183,10 +2368,14 @@ class InstrumentedAllocator:
         return [(self._w_st.full, lambda p: (p, False, None), (page_ids,))]
 
     def _segment_parts(self, free_index, op):
+        if self._w_st.swa_frees == "pool":
+            return self._full_set_part(free_index)  # one pool: a set-shaped free of it (page size 1)
         parts = [self._full_segment_part(free_index)]
         return parts if self._w_st.swa is None else [self._swa_segment_part(free_index, op), *parts]
 
     def _full_segment_parts(self, free_index, op):
+        if self._w_st.swa_frees == "pool":
+            return None  # see _free_full_parts
         if self._w_st.swa is None:
             # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
             return self._full_set_part(free_index)
@@ -2194,7 +2383,7 @@ class InstrumentedAllocator:
 
     def _swa_parts(self, free_index, op):
         if self._w_st.swa is None:
-            return None
+            return self._one_pool_swa_free(free_index)
         return [*self._swa_set_part(free_index), self._full_range_check(free_index, op)]
 
     def _full_range_check(self, free_index, op):
@@ -2220,7 +2409,15 @@ class InstrumentedAllocator:
         return (None, check, (free_index,))
 
     def _swa_segment_parts(self, free_index, op):
-        return None if self._w_st.swa is None else [self._swa_segment_part(free_index, op)]
+        if self._w_st.swa is None:
+            return self._one_pool_swa_free(free_index)
+        return [self._swa_segment_part(free_index, op)]
+
+    def _one_pool_swa_free(self, free_index):
+        """An SWA free on an allocator with no SWA pool of its own: SGLang's all-SWA allocator releases its one
+        pool (set-shaped, page size 1); a per-request SWA ring, or an allocator with no SWA side, frees nothing
+        (None: forwarded unchecked)."""
+        return self._full_set_part(free_index) if self._w_st.swa_frees == "pool" else None
 
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's
@@ -2309,22 +2506,28 @@ class InstrumentedAllocator:
     # Page ids from slots: a shift when the page size is a power of two (it floors negatives as // does, and
     # costs less than a division).
     def _full_set_part(self, free_index) -> list:
-        full = self._w_st.full
-        ps, shift = self._w_ps, self._w_shift
-        if full.dedup_free:
-            if shift is not None:
-                return [(full, lambda idx: (idx >> shift, True, None), (free_index,))]
-            return [(full, lambda idx: (idx // ps, True, None), (free_index,))]
-        return [(full, lambda idx: (idx, False, None), (free_index,))]
+        return [self._set_part(self._w_st.full, free_index)]
 
     def _full_segment_part(self, free_index):
-        full = self._w_st.full
+        return self._segment_part(self._w_st.full, free_index)
+
+    def _set_part(self, pool: _Pool, free_index):
+        """The part of a set-shaped free of ``pool`` by its own slots (every distinct page touched)."""
         ps, shift = self._w_ps, self._w_shift
-        if full.dedup_free:
+        if pool.dedup_free:
             if shift is not None:
-                return (full, lambda idx: (idx[::ps] >> shift, False, None), (free_index,))
-            return (full, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
-        return (full, lambda idx: (idx, False, None), (free_index,))
+                return (pool, lambda idx: (idx >> shift, True, None), (free_index,))
+            return (pool, lambda idx: (idx // ps, True, None), (free_index,))
+        return (pool, lambda idx: (idx, False, None), (free_index,))
+
+    def _segment_part(self, pool: _Pool, free_index):
+        """The part of a row-segment free of ``pool`` by its own slots (one page per ``page_size`` slots)."""
+        ps, shift = self._w_ps, self._w_shift
+        if pool.dedup_free:
+            if shift is not None:
+                return (pool, lambda idx: (idx[::ps] >> shift, False, None), (free_index,))
+            return (pool, lambda idx: (idx[::ps] // ps, False, None), (free_index,))
+        return (pool, lambda idx: (idx, False, None), (free_index,))
 
     def _peers_at(self, full_slots):
         """SWA peers of freed full slots, read before the inner clears them. Slot values outside the mapping (a
@@ -2399,27 +2602,27 @@ class InstrumentedAllocator:
 
         return (None, check, (peers, free_index))
 
-    def _segment_args(self, op, free_index, start_pos) -> None:
+    def _segment_args(self, op, free_index, start_pos, pool: str = "full") -> None:
         self._validate(op, check_index_tensor, "free_index", free_index, self._w_device)
         start = self._validate(op, check_int, "start_pos", start_pos)
         if start % self._w_ps:
             self._violate(
                 "segment_start_unaligned",
                 f"{op}: start_pos={start} is not a multiple of page_size={self._w_ps}",
-                slot=self._segment_owner(free_index),
+                slot=self._segment_owner(free_index, pool),
                 op=op,
-                pool="full",
+                pool=pool,
             )
             self._finish()
 
-    def _segment_owner(self, free_index) -> int:
+    def _segment_owner(self, free_index, pool: str = "full") -> int:
         """The ledger slot owning the segment's first page, to name the request; -1 when unknown. Reads an index
         value, so only under immediate verification: on an accelerator that would be a sync, and the request stays
         unnamed; ``verify="deferred"`` on the host does as it does there (its shadow is a step behind, too)."""
         if self._w_st.deferred or free_index.device.type != "cpu" or free_index.numel() == 0:
             return -1
         page = int(free_index[0]) // self._w_ps
-        owner = self._w_st.full.shadow.owner
+        owner = self._w_st.pools[pool].shadow.owner
         return int(owner[page]) if 0 <= page < owner.size else -1
 
     def _free(self, op: str, forward: Callable, parts: list):

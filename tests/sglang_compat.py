@@ -239,7 +239,7 @@ def _import_swa() -> types.SimpleNamespace:
     _import_base()
     _ensure_torchvision()
     with _quiet_import():
-        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 
     class _CompatSWAKVPool(BaseSWAKVPool):
@@ -280,6 +280,7 @@ def _import_swa() -> types.SimpleNamespace:
 
     return types.SimpleNamespace(
         SWATokenToKVPoolAllocator=SWATokenToKVPoolAllocator,
+        PureSWATokenToKVPoolAllocator=PureSWATokenToKVPoolAllocator,
         BaseSWAKVPool=BaseSWAKVPool,
         CompatSWAKVPool=_CompatSWAKVPool,
     )
@@ -385,3 +386,34 @@ def make_sglang_swa(
     kvcache = m.CompatSWAKVPool(size, size_swa, page_size, dtype)
     with _memory_pool_debug(debug_memory_pool):
         return m.SWATokenToKVPoolAllocator(size, size_swa, page_size, dtype, DEVICE, kvcache, need_sort)
+
+
+class _ReqSlots:
+    """What SGLang's SWA allocator reads of a ``ReqToTokenPool`` in per-request ring mode: its free slot count."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+    def available_size(self) -> int:
+        return self.slots
+
+
+def make_sglang_swa_ring(size: int, size_swa: int, page_size: int, ring_size: int, req_slots: int = 8, *, dtype=None):
+    """SGLang ``SWATokenToKVPoolAllocator`` in per-request SWA ring mode (``kvcache.swa_req_ring_size`` set, as
+    DeepSeek-V4's unified KV pool sets it): only the full pool is paged; the SWA frees are no-ops."""
+    m = _import_swa()
+    dtype = _default_dtype(dtype)
+    kvcache = m.CompatSWAKVPool(size, size_swa, page_size, dtype)
+    kvcache.swa_req_ring_size = ring_size
+    return m.SWATokenToKVPoolAllocator(
+        size, size_swa, page_size, dtype, DEVICE, kvcache, False, req_to_token_pool=_ReqSlots(req_slots)
+    )
+
+
+def make_sglang_pure_swa(size_swa: int, need_sort: bool = False, *, dtype=None):
+    """SGLang ``PureSWATokenToKVPoolAllocator`` (every layer sliding-window): one token pool that is both its
+    ``full_attn_allocator`` and its ``swa_attn_allocator``; page size 1."""
+    m = _import_swa()
+    dtype = _default_dtype(dtype)
+    kvcache = m.CompatSWAKVPool(size_swa, size_swa, 1, dtype)
+    return m.PureSWATokenToKVPoolAllocator(size_swa, 1, dtype, DEVICE, kvcache, need_sort)

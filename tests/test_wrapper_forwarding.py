@@ -143,7 +143,8 @@ def test_attribute_reads_forward(kind):
         assert w.free_pages is inner.free_pages
     if hasattr(inner, "full_to_swa_index_mapping"):
         assert w.full_to_swa_index_mapping is inner.full_to_swa_index_mapping
-        assert w.swa_attn_allocator is inner.swa_attn_allocator
+        # The pools' own allocators come as their checked views (tests/test_wrapper_pool_views.py).
+        assert w.swa_attn_allocator._w_inner is inner.swa_attn_allocator
 
 
 @pytest.mark.parametrize("kind", list(ALL))
@@ -279,7 +280,8 @@ def test_forwarded_methods_return_the_inners_results():
     assert w.new_pages_available(16, 16) is True
     assert w.size_full == 64 and w.size_swa == 64  # properties of the inner class
     assert w.full_to_swa_index_mapping is inner.full_to_swa_index_mapping
-    assert w.swa_attn_allocator is inner.swa_attn_allocator and w.full_attn_allocator is inner.full_attn_allocator
+    assert w.swa_attn_allocator._w_inner is inner.swa_attn_allocator
+    assert w.full_attn_allocator._w_inner is inner.full_attn_allocator
     # A forwarded method is the inner's own, bound to the inner (no forwarding frame between).
     assert w.available_size.__self__ is inner and w.available_size.__func__ is type(inner).available_size
     assert w.debug_print() == inner.debug_print()
@@ -404,7 +406,7 @@ def test_two_wrappers_of_different_inner_types():
     paged, swa = OURS["ours-paged"](), OURS["ours-swa"]()
     wp, ws = InstrumentedAllocator(paged), InstrumentedAllocator(swa)
     assert type(wp) is not type(ws)
-    assert ws.swa_attn_allocator is swa.swa_attn_allocator
+    assert ws.swa_attn_allocator._w_inner is swa.swa_attn_allocator
     assert not hasattr(wp, "swa_attn_allocator") and not hasattr(wp, "full_to_swa_index_mapping")
     wp.only_on_paged = 1
     assert "only_on_paged" in vars(type(wp)) and "only_on_paged" not in vars(type(ws))
@@ -439,7 +441,10 @@ def test_every_instance_attribute_of_the_inner_reads_through(kind, mode):
     w.available_size()
     names = [n for n in vars(inner) if n not in ("mode", "ledger", "inner", "bus")]
     assert "page_size" in names and "free_group" in names
-    assert [n for n in names if getattr(w, n) is not getattr(inner, n)] == []
+    # The pools' own allocators read as their checked views outside "off" (tests/test_wrapper_pool_views.py).
+    views = {"full_attn_allocator", "swa_attn_allocator"} if mode != "off" else set()
+    assert [n for n in names if n not in views and getattr(w, n) is not getattr(inner, n)] == []
+    assert [n for n in names if n in views and getattr(w, n)._w_inner is not getattr(inner, n)] == []
 
 
 # -- mode="off" ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""The pools' own allocators and SGLang's one-pool SWA layouts.
+
+- ``full_attn_allocator`` / ``swa_attn_allocator`` read through the wrapper are checked views of those pools
+  (``wrapper._PoolView``): SGLang's unified radix cache evicts a node by freeing its full pages with
+  ``full_attn_allocator.free_segment`` (below the composite's peer check) and then its SWA side with the composite's
+  ``free_swa_segment``; HiCache and external KV loads allocate and free on either side directly. Before the views,
+  those calls went around the wrapper and the next allocation of the freed pages read as ``duplicate_allocation``
+  (raised in raise mode) and the step as ``pool_conservation``.
+- SGLang's per-request SWA ring (``kvcache.swa_req_ring_size`` set) pages the full pool only, and its
+  ``PureSWATokenToKVPoolAllocator`` has one pool that is both sides: the wrapper tracks one pool for each. Before,
+  every ring allocation read as ``slot_page_alignment`` / ``reserved_page_touched``, and the all-SWA allocator's
+  SWA frees as ``duplicate_allocation`` at the next allocation.
+
+Every scenario runs on the wrapper and on a bare twin of the same class, and compares results and state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from instrumented_alloc import InstrumentedAllocator, InvariantViolation
+from instrumented_alloc import events as ev
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from tests import sglang_compat
+from tests.engine_model import allocator_state
+
+F16 = torch.float16
+I64 = torch.int64
+
+
+def _ours(ps):
+    return lambda: SWATokenToKVPoolAllocator(64, 64, ps, F16, "cpu", None, False)
+
+
+def _sglang(ps):
+    def make():
+        sglang_compat.require_sglang(True)
+        return sglang_compat.make_sglang_swa(64, 64, ps)
+
+    return make
+
+
+SWA = {"ours-ps4": _ours(4), "ours-ps1": _ours(1), "sglang-ps4": _sglang(4), "sglang-ps1": _sglang(1)}
+
+
+def _extend(a, n: int) -> torch.Tensor:
+    """A new request of ``n`` tokens (no prefix), as the engine prefills it."""
+    z = torch.zeros(1, dtype=I64)
+    if a.page_size == 1:
+        return a.alloc(n)
+    s = torch.tensor([n], dtype=I64)
+    return a.alloc_extend(z, z.clone(), s, s.clone(), torch.tensor([-1], dtype=I64), n)
+
+
+def _evict(a, kv: torch.Tensor) -> None:
+    """The unified radix cache's eviction of a node holding ``kv``: full side first, through the full allocator
+    itself, then the SWA side through the composite (components/full.py, then components/swa.py)."""
+    a.full_attn_allocator.free_segment(kv, start_pos=0)
+    a.free_swa_segment(kv, start_pos=0)
+
+
+def _violations(w) -> list:
+    return [(v.invariant, v.op, v.pool) for v in w.violations]
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+@pytest.mark.parametrize("kind", list(SWA))
+def test_unified_cache_eviction_through_the_full_allocator(kind, mode, verify):
+    bare, inner = SWA[kind](), SWA[kind]()
+    w = InstrumentedAllocator(inner, mode=mode, verify=verify)
+    results = []
+    for a in (bare, w):
+        cached = _extend(a, 32)  # a cached prefix: held by the tree, by no request
+        _evict(a, cached)
+        again = _extend(a, 64)  # the whole pool: the evicted pages again
+        results.append((cached.tolist(), again.tolist(), a.full_available_size(), a.swa_available_size()))
+    assert results[0] == results[1]
+    assert set(results[1][0]) <= set(results[1][1])  # the freed pages were handed out again
+    w.step()
+    w.step()  # deferred verification: the checks have landed by the second boundary
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+    ps = inner.page_size
+    owner = w.snapshot()["full"].owner
+    assert sorted(int(p) for p in (owner == -1).nonzero()[0]) == sorted({s // ps for s in results[1][1]})
+
+
+@pytest.mark.parametrize("kind", list(SWA))
+def test_a_double_free_through_the_full_allocator_is_refused_before_the_call(kind):
+    bare, inner = SWA[kind](), SWA[kind]()
+    w = InstrumentedAllocator(inner, mode="raise")
+    for a in (bare, w):
+        cached = _extend(a, 32)
+        a.full_attn_allocator.free_segment(cached, start_pos=0)
+    with pytest.raises(InvariantViolation) as info:
+        w.full_attn_allocator.free_segment(cached, start_pos=0)
+    assert info.value.violation.invariant == "double_free"
+    assert (info.value.violation.op, info.value.violation.pool) == ("full_attn_allocator.free_segment", "full")
+    assert allocator_state(w) == allocator_state(bare)  # the inner never saw the second free
+
+
+def test_a_segment_start_off_the_page_is_named_on_the_view():
+    w = InstrumentedAllocator(SWA["ours-ps4"](), mode="record")
+    kv = _extend(w, 16)
+    with pytest.raises(InvariantViolation):
+        InstrumentedAllocator(SWA["ours-ps4"](), mode="raise").full_attn_allocator.free_segment(kv, start_pos=2)
+    w.full_attn_allocator.free_segment(kv[8:], start_pos=8)
+    assert _violations(w) == []
+    with pytest.raises(TypeError, match="free_index"):
+        w.swa_attn_allocator.free(kv.tolist())
+    assert _violations(w) == [("invalid_argument", "swa_attn_allocator.free", None)]
+
+
+@pytest.mark.parametrize("kind", ["ours-ps4", "ours-ps1", "sglang-ps4"])
+def test_allocations_on_a_pool_directly_belong_to_no_request(kind):
+    bare, inner = SWA[kind](), SWA[kind]()
+    w = InstrumentedAllocator(inner, mode="record")
+    got = []
+    w.subscribe(got.extend)
+    slots = []
+    for a in (bare, w):
+        with w.batch(["r"]) if a is w else _null():
+            s = a.swa_attn_allocator.alloc(8)  # an external KV load into the SWA pool, inside a batch
+        slots.append(s.tolist())
+    assert slots[0] == slots[1]
+    ps = inner.page_size
+    pages = sorted({s // ps for s in slots[1]})
+    swa = w.snapshot()["swa"]
+    assert sorted(int(p) for p in (swa.owner == -1).nonzero()[0]) == pages
+    assert w.ledger["r"].kv_allocated_len == 0  # bound, but the pages are the pool's: the request allocated nothing
+    allocs = [e for e in got if isinstance(e, ev.Alloc)]
+    assert [(e.op, e.pool, e.n_slots, e.n_pages, e.rids) for e in allocs] == [
+        ("swa_attn_allocator.alloc", "swa", 8, 8 // ps, ())
+    ]
+    for a, s in ((bare, slots[0]), (w, slots[1])):
+        a.swa_attn_allocator.free(torch.tensor(s, dtype=I64))  # the load aborted
+    frees = [e for e in got if isinstance(e, ev.Free)]
+    assert [(e.op, e.pool, e.n_pages) for e in frees] == [("swa_attn_allocator.free", "swa", 8 // ps)]
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+    assert (w.snapshot()["swa"].owner == -1).sum() == 0
+    # A second free of the same slots: double_free, on that pool, under that op.
+    w.swa_attn_allocator.free(torch.tensor(slots[1], dtype=I64))
+    assert _violations(w)[0] == ("double_free", "swa_attn_allocator.free", "swa")
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_views_forward_everything_else_and_keep_the_class():
+    inner = SWA["ours-ps4"]()
+    w = InstrumentedAllocator(inner)
+    full = w.full_attn_allocator
+    assert isinstance(full, PagedTokenToKVPoolAllocator) and full._w_inner is inner.full_attn_allocator
+    assert w.full_attn_allocator is full  # one view per pool, kept
+    assert full.free_pages is inner.full_attn_allocator.free_pages
+    assert full.available_size() == inner.full_attn_allocator.available_size() == 64
+    full.debug_mode = True  # a write reaches the pool's allocator
+    assert inner.full_attn_allocator.debug_mode is True
+    full.only_here = 3
+    assert inner.full_attn_allocator.only_here == 3 and full.only_here == 3
+    for kind in ("ours-ps1", "sglang-ps1"):
+        one = InstrumentedAllocator(SWA[kind]())
+        for name in ("alloc", "free", "free_segment", "free_page_ids", "alloc_extend_swa_tail", "free_swa"):
+            # The checked methods the pool's class lacks are hidden, as on the bare one.
+            assert hasattr(one.swa_attn_allocator, name) == hasattr(one.inner.swa_attn_allocator, name), (kind, name)
+    off = InstrumentedAllocator(SWA["ours-ps4"](), mode="off")
+    assert off.full_attn_allocator is off.inner.full_attn_allocator  # off: the object itself
+    paged = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, F16, "cpu"))
+    assert not hasattr(paged, "full_attn_allocator") and not hasattr(paged, "swa_attn_allocator")
+
+
+# -- SGLang's one-pool SWA layouts --------------------------------------------------------------------------------
+def _ring():
+    sglang_compat.require_sglang(True)
+    return sglang_compat.make_sglang_swa_ring(256, 128, 16, ring_size=48)
+
+
+def _ring_run(a):
+    z = torch.zeros(1, dtype=I64)
+    x = a.alloc_extend(z, z.clone(), torch.tensor([40]), torch.tensor([40]), torch.tensor([-1]), 40)
+    d = a.alloc_decode(torch.tensor([41]), torch.tensor([41]), x[-1:])
+    a.free_swa_segment(x[:32], start_pos=0)  # a window eviction: a no-op on a ring
+    a.free_swa(x[:32])
+    free = (a.full_available_size(), a.swa_available_size())
+    a.free_segment(torch.cat([x, d]), start_pos=0)
+    return x.tolist(), d.tolist(), free, a.full_available_size(), a.swa_available_size()
+
+
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_sglang_swa_ring_is_one_pool(mode):
+    bare, inner = _ring(), _ring()
+    w = InstrumentedAllocator(inner, mode=mode)
+    assert w.pools == ("full",)
+    got = _ring_run(w)
+    assert got == _ring_run(bare)
+    assert got[2] == (256 - 48, bare.swa_available_size())  # the SWA frees freed nothing
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+    assert w.swa_attn_allocator is inner.swa_attn_allocator  # no tracked pool: the object itself
+
+
+def test_sglang_swa_ring_still_catches_a_double_free():
+    w = InstrumentedAllocator(_ring(), mode="record")
+    z = torch.zeros(1, dtype=I64)
+    x = w.alloc_extend(z, z.clone(), torch.tensor([32]), torch.tensor([32]), torch.tensor([-1]), 32)
+    w.free_segment(x, start_pos=0)
+    w.free_segment(x, start_pos=0)
+    assert _violations(w)[0] == ("double_free", "free_segment", "full")
+
+
+def _pure():
+    sglang_compat.require_sglang(True)
+    return sglang_compat.make_sglang_pure_swa(64)
+
+
+def _pure_run(a):
+    x = a.alloc(40)
+    a.free_group_begin()
+    a.free_swa_segment(x[:24], start_pos=0)  # the window eviction frees the one pool
+    a.free_swa(x[24:28])
+    a.free_group_end()
+    a.free_full(x[28:])  # all-SWA: nothing to release on the full side
+    a.free_full_segment(x[28:], start_pos=0)
+    after = a.available_size()
+    y = a.alloc(50)
+    return x.tolist(), after, y.tolist()
+
+
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_sglang_pure_swa_is_one_pool(mode):
+    bare, inner = _pure(), _pure()
+    w = InstrumentedAllocator(inner, mode=mode, sliding_window=8)
+    assert w.pools == ("full",)
+    assert w.check_consistency() == []  # the identity mapping is no set of live peers
+    got = _pure_run(w)
+    assert got == _pure_run(bare)
+    assert got[1] == 64 - 40 + 28
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+    # Both names are the one pool's view.
+    assert w.full_attn_allocator._w_inner is w.swa_attn_allocator._w_inner is inner.swa_attn_allocator
+
+
+def test_sglang_pure_swa_still_catches_a_double_free():
+    w = InstrumentedAllocator(_pure(), mode="raise")
+    x = w.alloc(8)
+    w.free_swa(x)
+    with pytest.raises(InvariantViolation) as info:
+        w.free_swa(x)
+    assert (info.value.violation.invariant, info.value.violation.pool) == ("double_free", "full")
