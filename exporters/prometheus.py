@@ -146,8 +146,18 @@ _GAUGES = (
 _RESERVED_LABELS = frozenset({"pool", "state", "invariant", "op", "sink", "le", "quantile", "pid"})
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
-# Free ops that touch only the SWA pool; every other free emits a "full" event, which carries the call's duration.
-_SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
+# Ops that touch only the SWA pool: the SWA frees, and every call on the SWA pool's own allocator (its checked
+# view, see the wrapper's _PoolView). Every other call emits a "full" event, which carries the call's duration.
+_SWA_ONLY_OPS = frozenset(
+    {
+        "free_swa",
+        "free_swa_segment",
+        "swa_attn_allocator.alloc",
+        "swa_attn_allocator.free",
+        "swa_attn_allocator.free_segment",
+        "swa_attn_allocator.free_page_ids",
+    }
+)
 _MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
 # The sink's per-event type tests, as module globals (one dictionary look-up each instead of two).
 _ALLOC, _FREE, _RELEASED, _EVICT = ev.Alloc, ev.Free, ev.RequestReleased, ev.SwaEvict
@@ -289,7 +299,7 @@ class _Sink:
                             if c is None:
                                 c = x._pages_child(t, pool)
                             inc[c] = inc.get(c, 0) + n
-                        if pool == "full" or (t is _FREE and e.op in _SWA_ONLY_FREES):  # one per call
+                        if pool == "full" or e.op in _SWA_ONLY_OPS:  # one per call
                             p = obs.get(e.op)
                             if p is None:
                                 p = x._running_duration(e.op)
@@ -596,7 +606,7 @@ class PrometheusExporter:
     def _on_alloc(self, e: ev.Alloc) -> None:
         if e.n_pages:
             self._child(self._allocated, e.pool).inc(e.n_pages)
-        if e.pool == "full":  # one Alloc per pool per call: the full pool's carries the call's duration
+        if e.pool == "full" or e.op in _SWA_ONLY_OPS:  # one per call: the full pool's, else the SWA-only call's
             self._child(self._op_duration, e.op).observe(e.duration)
 
     def _on_alloc_failed(self, e: ev.AllocFailed) -> None:
@@ -605,7 +615,7 @@ class PrometheusExporter:
     def _on_free(self, e: ev.Free) -> None:
         if e.n_pages:
             self._child(self._freed, e.pool).inc(e.n_pages)
-        if e.pool == "full" or e.op in _SWA_ONLY_FREES:  # one observation per call
+        if e.pool == "full" or e.op in _SWA_ONLY_OPS:  # one observation per call
             self._child(self._op_duration, e.op).observe(e.duration)
 
     def _on_swa_evict(self, e: ev.SwaEvict) -> None:

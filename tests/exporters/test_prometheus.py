@@ -173,6 +173,38 @@ def test_gauges_are_computed_at_scrape_time_not_per_call():
         exp.close()
 
 
+def test_calls_on_a_pools_own_allocator_are_counted_once_each():
+    """SGLang's caches call the pools' own allocators (the wrapper's checked views): each such call is one op-duration
+    observation under its own op, and its pages count in its pool's churn."""
+    w = make_alloc()
+    exp = PrometheusExporter(w, multiprocess=False)
+    try:
+        cached = w.alloc_extend(*extend_args([Req("tree")], [16]))  # outside batch(): the cache's pages
+        w.full_attn_allocator.free_segment(cached, start_pos=0)  # the unified radix cache's eviction, full side
+        w.free_swa_segment(cached, start_pos=0)  # then its SWA side
+        loaded = w.swa_attn_allocator.alloc(8)  # an external load into the SWA pool, aborted
+        w.swa_attn_allocator.free(loaded)
+        w.step()
+        reg = exp.registry
+        ops = (
+            "alloc_extend",
+            "full_attn_allocator.free_segment",
+            "free_swa_segment",
+            "swa_attn_allocator.alloc",
+            "swa_attn_allocator.free",
+        )
+        count = "kvalloc_op_duration_seconds_count"
+        assert {op: reg.get_sample_value(count, {"op": op}) for op in ops} == dict.fromkeys(ops, 1.0)
+        assert reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "full"}) == 4
+        assert reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "swa"}) == 4 + 2
+        assert reg.get_sample_value("kvalloc_pages_freed_total", {"pool": "full"}) == 4
+        assert reg.get_sample_value("kvalloc_pages_freed_total", {"pool": "swa"}) == 4 + 2
+        violations = "kvalloc_invariant_violations_total"
+        assert sum(reg.get_sample_value(violations, {"invariant": i}) for i in INVARIANTS) == 0
+    finally:
+        exp.close()
+
+
 def test_violation_exemplar_carries_trace_id(run):
     _, exp = run()
     text = generate_openmetrics(exp.registry).decode()

@@ -419,6 +419,55 @@ def test_snapshot_never_waits_for_device_checks(tmp_path):
         assert_state_equals(r.state_at(at + 1), after, at + 1)
 
 
+def test_calls_on_a_pools_own_allocator_replay_page_by_page(tmp_path):
+    """SGLang's caches call the pools' own allocators (the wrapper's checked views): what those calls change is
+    recorded, and replays to the live state at every step, the violation included."""
+    import torch
+
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import SWATokenToKVPoolAllocator
+
+    i64 = torch.int64
+    w = InstrumentedAllocator(SWATokenToKVPoolAllocator(64, 64, 4, torch.float16, "cpu"), sliding_window=8)
+    path = tmp_path / "views.db"
+    rec = FlightRecorder(w, path, snapshot_every=1000)  # one snapshot at the start: the rest is replay
+    z = torch.zeros(1, dtype=i64)
+
+    def extend(n):
+        s = torch.tensor([n], dtype=i64)
+        return w.alloc_extend(z, z.clone(), s, s.clone(), torch.tensor([-1], dtype=i64), n)
+
+    live = {}
+
+    def boundary():
+        w.step()
+        live[w.step_count] = w.snapshot()
+
+    with w.batch(["a"]):
+        a = extend(16)
+    boundary()
+    cached = extend(32)  # the cache's pages
+    boundary()
+    w.full_attn_allocator.free_segment(cached, start_pos=0)  # the unified radix cache's eviction
+    w.free_swa_segment(cached, start_pos=0)
+    boundary()
+    loaded = w.swa_attn_allocator.alloc(8)
+    boundary()
+    w.swa_attn_allocator.free(loaded)
+    w.free(a)
+    w.release_request("a")
+    boundary()
+    w.full_attn_allocator.free(a)  # a double free, through the full pool's own allocator
+    boundary()
+    rec.close()
+    with Recording(path) as r:
+        for step, snaps in live.items():
+            assert_state_equals(r.state_at(step), snaps, step)
+        assert [(v.invariant, v.op, v.pool) for v in r.violations()] == [
+            ("double_free", "full_attn_allocator.free", "full")
+        ]
+
+
 # -- (b) violations --------------------------------------------------------------------------------------------
 def test_violations_round_trip_and_are_committed_at_once(tmp_path):
     e = Engine("paged-4", False, "immediate")
