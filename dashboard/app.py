@@ -125,8 +125,8 @@ def _live(rec) -> None:
         st.caption("none yet")
     st.subheader("Fragmentation at the recent snapshots, newest first")
     frag = []
-    for s in reversed(rec.snapshot_steps()[-8:]):  # newest first
-        for row in views.step_figures(data.state_at(rec, s), ov.pools, ov.meta.get("sliding_window"))["pools"]:
+    for s, state in data.snapshot_states(rec, reversed(rec.snapshot_steps()[-8:])):  # newest first
+        for row in views.step_figures(state, ov.pools, ov.meta.get("sliding_window"))["pools"]:
             frag.append({"step": s, **row})
     st.dataframe(frag, hide_index=True, height=220)
     state = data.state_end_of(rec, ov.last)

@@ -122,6 +122,23 @@ def state_at(rec: Recording, step: int) -> ReplayState:
         raise DashboardInputError(str(exc)) from exc
 
 
+def snapshot_states(rec: Recording, steps) -> list[tuple[int, ReplayState]]:
+    """``(step, state)`` for each of ``steps`` (snapshot steps read a moment before) still in the recording, in the
+    order given. A live recording's retention may delete the oldest of them between that read and this one: those
+    are left out, not an error. Any other failure: ``DashboardInputError``."""
+    out = []
+    for s in steps:
+        try:
+            out.append((s, rec.state_at(s)))
+        except IncompleteHistory as exc:
+            raise DashboardInputError(f"step {s} cannot be rebuilt: events before it were lost ({exc})") from exc
+        except ValueError as exc:
+            if s < rec.steps()[0]:
+                continue  # retention deleted it since the steps were read
+            raise DashboardInputError(str(exc)) from exc
+    return out
+
+
 def state_end_of(rec: Recording, step: int) -> ReplayState:
     """The state at the end of step ``step``: the replayed state at its boundary plus the events stamped with that
     step (an event's ``step`` is the step counter when it happened, so a violation of step N is in this state,

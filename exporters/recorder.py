@@ -1843,7 +1843,9 @@ class Recording:
     ) -> Iterator[ev.Event]:
         """Decoded events with ``start <= step < stop`` (None: unbounded), in seq order; ``kinds``: event classes
         or their names. Read in chunks of blocks (each its own read transaction), so a long iteration follows the
-        writer."""
+        writer. If retention deletes events of the range that the iteration has not reached yet (a long read of a
+        bounded recording being written), it raises ``replay.IncompleteHistory`` at that point, naming the first
+        missing seq: it never skips them silently."""
         start = None if start is None else int(start)
         stop = None if stop is None else int(stop)
         wanted = None
@@ -1871,16 +1873,26 @@ class Recording:
         if mask:
             where.append(f"kinds & {mask} != 0")
         where.append("seq > ?")
-        sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS}"
+        # One block more than a chunk: the next chunk must begin with it, or retention deleted it in between.
+        sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS + 1}"
         after = -(2**62)
+        expect = None
         while True:
             with self._read() as conn:
                 rows = conn.execute(sql, [*args, after]).fetchall()
+            if expect is not None and (not rows or rows[0][0] != expect):
+                raise replay.IncompleteHistory(
+                    f"{self.path}: retention deleted the events from seq {expect} on while they were being read "
+                    f"(the iteration had reached seq {after}); read again from a step still kept (steps())"
+                )
             if not rows:
                 return
-            for seq, step, payload in rows:
+            expect = rows[_READ_BLOCKS][0] if len(rows) > _READ_BLOCKS else None
+            for seq, step, payload in rows[:_READ_BLOCKS]:
                 yield from self._decode(seq, step, payload, wanted, start, stop)
-            after = rows[-1][0]
+            if expect is None:
+                return
+            after = rows[_READ_BLOCKS - 1][0]
 
     def _decode(self, seq, step, payload, wanted=None, lo=None, hi=None, last=None) -> list[ev.Event]:
         try:
