@@ -23,9 +23,11 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.utils import floatToGoString
 
-from exporters.prometheus import PrometheusExporter
+from exporters.prometheus import OP_DURATION_BUCKETS, PrometheusExporter
 from instrumented_alloc import INVARIANTS, InstrumentedAllocator, stats
+from instrumented_alloc import events as ev
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from tests.engine_model import Req, extend_args, split_extend, t
 from tests.prometheus_server import api, need_binary, query, wait_until_up
@@ -151,6 +153,84 @@ def test_values_after_scripted_scenario(run):
     assert sample(reg, "kvalloc_op_duration_seconds_count", op="alloc_extend") == 2
     assert sample(reg, "kvalloc_op_duration_seconds_count", op="free") == 2
     assert sample(reg, "kvalloc_op_duration_seconds_count", op="free_swa_segment") == 1
+
+
+def test_op_duration_histogram_is_the_events_durations_in_seconds():
+    # The histogram observes each inner call's own duration, in seconds: a list sink on the same allocator sees
+    # the events the exporter aggregates (the full pool's Alloc/Free of each call, and the SWA-only frees).
+    w = make_alloc()
+    exp = PrometheusExporter(w, const_labels=CONST, multiprocess=False)
+    tap = _Tap()
+    w.subscribe(tap)
+    try:
+        scenario(w)
+        durations: dict = {}
+        for e in (e for batch in tap.batches for e in batch):
+            if type(e) in (ev.Alloc, ev.Free) and (e.pool == "full" or e.op in ("free_swa", "free_swa_segment")):
+                durations.setdefault(e.op, []).append(e.duration)
+        assert {op: len(ds) for op, ds in durations.items()} == {"alloc_extend": 2, "free": 2, "free_swa_segment": 1}
+        reg = exp.registry
+        for op, ds in durations.items():
+            assert all(d > 0 for d in ds)  # measured: a zero would hide the unit
+            total = 0.0
+            for d in ds:  # the exporter's running sum, in the same order
+                total += d
+            assert sample(reg, "kvalloc_op_duration_seconds_sum", op=op) == total
+            for le in OP_DURATION_BUCKETS:
+                n = sum(d <= le for d in ds)
+                assert sample(reg, "kvalloc_op_duration_seconds_bucket", op=op, le=floatToGoString(le)) == n, (op, le)
+            assert sample(reg, "kvalloc_op_duration_seconds_bucket", op=op, le="+Inf") == len(ds)
+            assert sample(reg, "kvalloc_op_duration_seconds_count", op=op) == len(ds)
+    finally:
+        exp.close()
+
+
+def test_swa_evicted_tokens_count_each_eviction_once():
+    # Two successive evictions of one request (window 8, 16 tokens): 0 -> 4, then 4 -> 8 tokens: 4 + 4.
+    w = make_alloc()
+    exp = PrometheusExporter(w, const_labels=CONST, multiprocess=False)
+    try:
+        a = Req("req-a")
+        extend(w, [a], [16])  # full and swa: a 1-4
+        w.step()
+        got = []
+        for lo, hi in ((0, 4), (4, 8)):
+            w.free_swa_segment(t(a.row[lo:hi]), start_pos=lo)  # one swa page back each time
+            w.ledger[a.rid].swa_evicted_seqlen = hi
+            w.step()
+            got.append(sample(exp.registry, "kvalloc_swa_evicted_tokens_total"))
+        assert got == [4, 8]
+        assert sample(exp.registry, "kvalloc_pages_freed_total", pool="swa") == 2
+        assert dict(w.violation_counts) == {}
+    finally:
+        exp.close()
+
+
+def test_histogram_sums_across_scrapes():
+    # A scrape publishes what the sink aggregated since the last one: the sum is the running sum, not the sum
+    # added again on top of what an earlier scrape published.
+    w = make_alloc()
+    exp = PrometheusExporter(w, const_labels=CONST, multiprocess=False)
+    reg = exp.registry
+    try:
+        a, b = Req("req-a"), Req("req-b")
+        extend(w, [a, b], [16, 6])  # a 4 pages, b 2 pages
+        w.step()
+        assert sample(reg, "kvalloc_request_pages_count", pool="full") == 0
+        w.free(t(b.row))
+        w.release_request(b.rid)  # peak 2
+        assert sample(reg, "kvalloc_request_pages_sum", pool="full") == 2
+        assert sample(reg, "kvalloc_request_pages_count", pool="full") == 1
+        w.free(t(a.row))
+        w.release_request(a.rid)  # peak 4
+        assert sample(reg, "kvalloc_request_pages_sum", pool="full") == 2 + 4
+        assert sample(reg, "kvalloc_request_pages_count", pool="full") == 2
+        assert sample(reg, "kvalloc_request_pages_bucket", pool="full", le="2.0") == 1
+        assert sample(reg, "kvalloc_request_pages_bucket", pool="full", le="4.0") == 2
+        assert sample(reg, "kvalloc_request_pages_sum", pool="full") == 6  # a scrape with nothing new: unchanged
+        assert dict(w.violation_counts) == {}
+    finally:
+        exp.close()
 
 
 def test_gauges_are_computed_at_scrape_time_not_per_call():
@@ -404,6 +484,62 @@ def test_multiprocess_without_const_labels(tmp_path):
     assert _find(s, "kvalloc_page_size_tokens") == {(): 4.0}
     assert _find(s, "kvalloc_requests_live") == {(): 1.0}
     assert _find(s, "kvalloc_pages", pool="full", state="used") == {(("pool", "full"), ("state", "used")): 2.0}
+
+
+SWA_CHILD = r"""
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]  # before prometheus_client is imported
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import SWATokenToKVPoolAllocator
+from tests.engine_model import Req, extend_args, split_extend, t
+from exporters.prometheus import PrometheusExporter
+
+w = InstrumentedAllocator(SWATokenToKVPoolAllocator(16 * 4, 8 * 4, 4, torch.float16, "cpu"), mode="record",
+                          sliding_window=8)
+exp = PrometheusExporter(w, const_labels={"engine": "e0", "tp_rank": "0"}, refresh_interval=0.0)
+assert exp.multiprocess
+a, b = Req("a"), Req("b")
+with w.batch(["a", "b"]):
+    split_extend([a, b], [16, 6], w.alloc_extend(*extend_args([a, b], [16, 6])))  # a 4 pages, b 2 (each pool)
+w.step()
+w.free_swa_segment(t(a.row[0:4]), start_pos=0)  # one SWA eviction: one free_swa_segment call, pool swa only
+w.ledger["a"].swa_evicted_seqlen = 4
+w.step()
+w.free(t(b.row))
+w.release_request("b")  # peak 2, holds nothing
+w.release_request("a")  # request_leak: peak 4, still holds 4 full + 3 swa pages
+w.step()
+exp.close()
+print("RESULT " + repr([v.invariant for v in w.violations]))
+"""
+
+
+def test_multiprocess_histograms_of_an_swa_run(tmp_path):
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    p = subprocess.run(
+        [sys.executable, "-c", SWA_CHILD, str(mp_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0 and "RESULT ['request_leak']" in p.stdout, p.stderr[-3000:]
+    s = _mp_samples(mp_dir)
+    lab = tuple(sorted(CONST.items()))
+    full = tuple(sorted({**CONST, "pool": "full"}.items()))
+    # Released requests' peaks (not what they still held): b 2, a 4.
+    assert _find(s, "kvalloc_request_pages_sum") == {full: 6.0}
+    assert _find(s, "kvalloc_request_pages_count") == {full: 2.0}
+    buckets = {dict(k)["le"]: v for k, v in _find(s, "kvalloc_request_pages_bucket").items()}
+    want = {"1.0": 0.0, "2.0": 1.0, "4.0": 2.0, "8.0": 2.0, "+Inf": 2.0}
+    assert {le: buckets[le] for le in want} == want
+    # One duration observation per call: the SWA segment free is observed though its only Free is the swa pool's.
+    counts = {dict(k)["op"]: v for k, v in _find(s, "kvalloc_op_duration_seconds_count").items()}
+    assert counts == {"alloc_extend": 1.0, "free": 1.0, "free_swa_segment": 1.0}
+    assert _find(s, "kvalloc_swa_evicted_tokens_total") == {lab: 4.0}
+    assert _find(s, "kvalloc_invariant_violations_total", invariant="request_leak") == {
+        tuple(sorted({**CONST, "invariant": "request_leak"}.items())): 1.0
+    }
 
 
 def test_multiprocess_needs_the_directory(monkeypatch):

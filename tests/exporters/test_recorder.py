@@ -510,6 +510,8 @@ def test_violations_round_trip_and_are_committed_at_once(tmp_path):
     e = Engine("paged-4", False, "immediate")
     path = tmp_path / "rec.db"
     rec = FlightRecorder(e.w, path, snapshot_every=5, flush_interval=3600.0, meta={"preset": "dense", "rank": 3})
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    e.w.trace_id_for = {"b": trace}.get  # what OtelExporter sets: the violation carries its request's trace id
     a, b = Req("a"), Req("b")
     e.extend([a, b], [6, 9])
     e.w.step()
@@ -518,18 +520,19 @@ def test_violations_round_trip_and_are_committed_at_once(tmp_path):
     e.both("free_page_ids", t([page, page]))  # the same page twice in one call: a double free, owner known
     step = e.w.step_count
     live = list(e.w.violations)
-    assert [(v.invariant, v.rid, v.step) for v in live] == [("double_free", "b", step)]
+    assert [(v.invariant, v.rid, v.step, v.trace_id) for v in live] == [("double_free", "b", step, trace)]
     with Recording(path) as r:
         # Ordinary events wait for the (hour-long) commit interval; the violation's transaction is committed now.
         wait_for(lambda: r.violations() != [], 5.0, "the violation to be committed")
         assert r.violations() == live
         got = r.violations()[0]
-        assert (got.invariant, got.rid, got.step, got.op, got.pool) == (
+        assert (got.invariant, got.rid, got.step, got.op, got.pool, got.trace_id) == (
             "double_free",
             "b",
             step,
             "free_page_ids",
             "full",
+            trace,
         )
         assert r.violations(start=step + 1) == [] and r.violations(stop=step) == []
         kinds = [type(x).__name__ for x in r.events(kinds=["ViolationEvent"])]
@@ -933,6 +936,8 @@ def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
     with Recording(path) as r:
         lost = list(r.events(kinds=["EventsLost"]))
         assert len(lost) == 1 and lost[0].n_events > 0
+        # One gap: every refused event is inside the marker's range, and counted.
+        assert lost[0].n_events == e.w.bus.dropped["recorder"] == lost[0].last_seq - lost[0].first_seq + 1
         assert r.meta["events_dropped"] == e.w.bus.dropped["recorder"]
         resync = [s for s in r.snapshot_steps() if s > 0]
         assert resync and resync[0] >= lost[0].step, "a snapshot after the gap lets replay resume"

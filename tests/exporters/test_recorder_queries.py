@@ -51,6 +51,10 @@ def test_step_series_strides_over_the_boundaries(rec):
     assert r.step_series() == sorted(bounds.items())
     # 90 boundaries into at most 10 points: stride 9 from the first step.
     assert [s for s, _ in r.step_series(max_points=10)] == [1, 10, 19, 28, 37, 46, 55, 64, 73, 82]
+    # 81 boundaries (10..90) into at most 10 points: stride 9 (stride 8 would give 11 points).
+    assert [s for s, _ in r.step_series(start=10, max_points=10)] == [10, 19, 28, 37, 46, 55, 64, 73, 82]
+    # 11 boundaries (1..11) into at most 10 points: stride 2.
+    assert r.step_series(stop=12, max_points=10) == [(s, bounds[s]) for s in (1, 3, 5, 7, 9, 11)]
     assert r.step_series(start=50, stop=53) == [(s, bounds[s]) for s in (50, 51, 52)]
     assert r.step_series(start=500) == []
 
