@@ -23,8 +23,9 @@ message too. The wrapper formats a request id in a message only as ``request {ri
 (``page_size=16``, page lists, ``request slot 3``) are never touched.
 
 Events and snapshots (what the flight recorder stores): ``event_fields(values)`` redacts an event's fields (its
-instance dict: ``rid``, ``rids``, ``violation``, a ``Snapshot``'s ``ledger`` rows); ``snapshots(snaps)`` redacts
-``InstrumentedAllocator.snapshot()``'s ``PoolSnapshot``s (``ledger.rids``, ``slot_rids``). Pure: no I/O.
+instance dict: ``rid``, ``rids``, ``violation``, a ``Snapshot``'s ``ledger`` rows and its ``rids``, which are
+``(slot, rid)`` pairs); ``snapshots(snaps)`` redacts ``InstrumentedAllocator.snapshot()``'s ``PoolSnapshot``s
+(``ledger.rids``, ``slot_rids``). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ class RequestIdHasher:
     # -- events and snapshots -------------------------------------------------------------------------------------
     def event_fields(self, values: Mapping) -> Mapping:
         """An event's fields (its instance dict) with every request id as its pseudonym: ``rid``, ``rids``,
-        ``violation`` and a ``Snapshot`` event's ``ledger`` rows (rid first). ``values`` itself is not changed;
-        it is returned as it is when it holds no request id."""
+        ``violation`` and a ``Snapshot`` event's ``ledger`` rows (rid first); a ``Snapshot``'s ``rids`` are
+        ``(slot, rid)`` pairs, their slots kept. ``values`` itself is not changed; it is returned as it is when it
+        holds no request id."""
         out = None
         for name in ("rid", "rids", "violation", "ledger"):
             if name not in values:
@@ -156,7 +158,8 @@ class RequestIdHasher:
             elif not isinstance(v, tuple):
                 continue
             elif name == "rids":
-                new = self.ids(v)
+                # A Snapshot event (the only one with a ledger) names its slots: (slot, rid) pairs.
+                new = tuple((slot, self(rid)) for slot, rid in v) if "ledger" in values else self.ids(v)
             else:
                 new = tuple((self(row[0]), *row[1:]) if isinstance(row, tuple) and row else row for row in v)
             if out is None:

@@ -15,6 +15,7 @@ from instrumented_alloc import InstrumentedAllocator, Violation
 from instrumented_alloc import events as ev
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 from instrumented_alloc.redact import RequestIdHasher, as_hasher
+from instrumented_alloc.replay import apply, initial_state
 
 KEY = b"test-key"
 
@@ -197,17 +198,46 @@ def test_event_fields():
     assert h.event_fields(none.__dict__) == none.__dict__
     sb = ev.StepBoundary(seq=4, ts=0.0, step=3, available={"full": 5})
     assert h.event_fields(sb.__dict__) is sb.__dict__
+    # A Snapshot's rids are (slot, rid) pairs, as the wrapper emits them: the rid is redacted, the slot kept.
     snap = ev.Snapshot(
-        seq=5, ts=0.0, step=3, pool="full", page_size=4, num_pages=8, owner=b"", rids=("a",), ledger=(("a", 8, 8, 0),)
+        seq=5,
+        ts=0.0,
+        step=3,
+        pool="full",
+        page_size=4,
+        num_pages=8,
+        owner=b"",
+        rids=((0, "a"), (3, 2)),
+        ledger=(("a", 8, 8, 0), (2, 4, 4, 0)),
     )
     assert h.event_fields(snap.__dict__) == {
         **snap.__dict__,
-        "rids": (expected("a"),),
-        "ledger": ((expected("a"), 8, 8, 0),),
+        "rids": ((0, expected("a")), (3, expected("2"))),
+        "ledger": ((expected("a"), 8, 8, 0), (expected("2"), 4, 4, 0)),
     }
     v = Violation("request_leak", "request 'a' released while still owning 1 pages (full: 1)", rid="a")
     ve = ev.ViolationEvent(seq=6, ts=0.0, step=3, violation=v)
     assert h.event_fields(ve.__dict__) == {**ve.__dict__, "violation": h.violation(v)}
+
+
+def test_event_fields_of_a_wrapper_snapshot_replays():
+    """The wrapper's own Snapshot event, redacted, replays: each slot named by the pseudonym of its request."""
+    h = RequestIdHasher(KEY)
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record", snapshot_every=1)
+    seen: list = []
+    w.subscribe(seen.extend)
+    with w.batch(["a", 5], lens=[4, 4]):
+        w.alloc(8)
+    w.step()
+    (snap,) = [e for e in seen if isinstance(e, ev.Snapshot)]
+    assert snap.rids == ((0, "a"), (1, 5))
+    red = ev.Snapshot(**h.event_fields(snap.__dict__))
+    assert red.rids == ((0, expected("a")), (1, expected("5")))
+    assert red.ledger == ((expected("a"), 4, 4, 0), (expected("5"), 4, 4, 0))
+    st = apply(initial_state({"full": 16}), [red])
+    assert st.slot_rids == {0: expected("a"), 1: expected("5")}
+    assert st.ledger == {expected("a"): (4, 4, 0), expected("5"): (4, 4, 0)}
+    assert st.owners["full"].tobytes() == snap.owner
 
 
 def test_snapshots():
