@@ -9,7 +9,7 @@ import torch
 
 from instrumented_alloc import InstrumentedAllocator, Violation
 from instrumented_alloc import events as ev
-from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from instrumented_alloc.replay import (
     EventsLost,
     IncompleteHistory,
@@ -158,6 +158,31 @@ def test_wrapper_snapshot_event_replaces_pool_and_ledger():
     )
     s = apply(apply(initial_state({"full": 2}), [ledger(1, [("a", 0, 4, 4, 0)])]), [snap])
     assert s.owners["full"].tolist() == owner.tolist() and s.ledger == {"z": (4, 3, 0)} and s.slot_rids[3] == "z"
+
+
+def test_snapshot_events_of_two_pools_keep_both_pools_slot_names():
+    """The wrapper's Snapshot events of an SWA allocator, one per pool, replayed in turn: the swa pool's does not
+    drop the names of slots only the full pool holds (b, whose SWA pages were all released)."""
+    w = InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(128, 128, 4, torch.float16, "cpu"), sliding_window=4, snapshot_every=1
+    )
+    seen: list = []
+    w.subscribe(seen.extend)
+    a, b = Req("a"), Req("b")
+    with w.batch(["a"]):
+        a.row = w.alloc_extend(*extend_args([a], [8])).tolist()
+    with w.batch(["b"]):
+        b.row = w.alloc_extend(*extend_args([b], [8])).tolist()
+    w.free_swa(t(b.row))  # all of b's SWA KV released; its full pages stay with it
+    w.step()
+    snaps = [e for e in seen if isinstance(e, ev.Snapshot)]
+    assert [(e.pool, e.rids) for e in snaps] == [("full", ((0, "a"), (1, "b"))), ("swa", ((0, "a"),))]
+    s = apply(initial_state({"full": 32, "swa": 32}), snaps)
+    assert s.slot_rids == {0: "a", 1: "b"}
+    assert s.rids_in("full") == {0: "a", 1: "b"} and s.rids_in("swa") == {0: "a"}
+    assert s.ledger == {"a": (8, 8, 0), "b": (8, 8, 0)}
+    live = w.snapshot()
+    assert (s.owners["full"] == live["full"].owner).all() and (s.owners["swa"] == live["swa"].owner).all()
 
 
 def test_state_at_uses_the_newest_base_and_stops_at_the_boundary():

@@ -96,8 +96,8 @@ def test_a_million_pages_are_downsampled_and_no_violation_is_averaged_away():
 
 @pytest.mark.parametrize(
     ("n", "expected"),
-    [(1, (1, 1, 1, 24)), (64, (1, 64, 32, 24)), (513, (1, 513, 64, 12)), (4096, (1, 4096, 64, 12)),
-     (5000, (1, 5000, 512, 1)), (MAX_CELLS + 1, (2, MAX_CELLS // 2 + 1, 512, 1))],
+    [(1, (1, 1, 1, 24)), (64, (1, 64, 32, 24)), (512, (1, 512, 32, 24)), (513, (1, 513, 64, 12)),
+     (4096, (1, 4096, 64, 12)), (5000, (1, 5000, 512, 1)), (MAX_CELLS + 1, (2, MAX_CELLS // 2 + 1, 512, 1))],
 )  # fmt: skip
 def test_layout(n, expected):
     assert layout(n) == expected

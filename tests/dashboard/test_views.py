@@ -34,6 +34,7 @@ def test_violation_rows_newest_first_and_limited():
         "trace id": "abc",
     }
     assert [r["step"] for r in views.violation_rows(vs, newest_first=False, limit=2)] == [3, 7]
+    assert [r["step"] for r in views.violation_rows(vs, limit=2)] == [9, 7]  # the newest two
     assert views.jump_targets(vs) == [
         ("#1 step 3 · double_free · a", 3),
         ("#2 step 7 · request_leak", 7),
@@ -69,6 +70,11 @@ def test_occupancy_and_count_series():
     assert views.count_series(counts, {"SwaEvict": "evictions"}, (3, 47), 10) == {
         "step": [0, 10, 20, 30, 40],
         "evictions": [3, 0, 1, 0, 0],
+    }
+    # A span whose last step starts a bucket keeps that bucket (and its events).
+    assert views.count_series({"SwaEvict": [(0, 3), (40, 2)]}, {"SwaEvict": "evictions"}, (0, 40), 10) == {
+        "step": [0, 10, 20, 30, 40],
+        "evictions": [3, 0, 0, 0, 2],
     }
 
 
@@ -111,6 +117,57 @@ def test_step_figures_of_a_replayed_state():
     }
 
 
+def test_step_figures_of_a_replayed_swa_state_with_a_sliding_window():
+    full, swa = initial_owner(16), initial_owner(16)
+    full[1:6] = 0  # request "a" (slot 0): 20 tokens on 5 pages
+    full[[8, 9]] = 1  # request "b" (slot 1): 6 tokens on 2 pages
+    swa[2:6] = 0  # a's first 4 tokens evicted (page 1 freed): 16 tokens on 4 pages
+    swa[[8, 9]] = 1
+    state = ReplayState(
+        step=5,
+        seq=40,
+        owners={"full": full, "swa": swa},
+        ledger={"a": LedgerRow(20, 20, 4), "b": LedgerRow(8, 6, 0)},
+        slot_rids={0: "a", 1: "b"},
+        rid_slots={"a": 0, "b": 1},
+    )
+    pools = [{"name": "full", "num_pages": 16, "page_size": 4}, {"name": "swa", "num_pages": 16, "page_size": 4}]
+    f = views.step_figures(state, pools, 8)
+    # full: free 6..7, 10..16 -> runs 2, 7; external 1 - 7/9; internal 1 - (20 + 6) / (7 * 4).
+    # swa: free 1, 6..7, 10..16 -> runs 1, 2, 7; external 1 - 7/10; internal 1 - (20 - 4 + 6) / (6 * 4).
+    # Outside the window of 8: a 20 - 8 - 4 = 8 tokens, b none (6 < 8).
+    assert f == {
+        "pools": [
+            {
+                "pool": "full",
+                "free": 9,
+                "used": 7,
+                "staged": 0,
+                "reserved": 1,
+                "free runs": 2,
+                "largest free run": 7,
+                "external fragmentation": 0.2222,
+                "internal fragmentation": 0.0714,
+            },
+            {
+                "pool": "swa",
+                "free": 10,
+                "used": 6,
+                "staged": 0,
+                "reserved": 1,
+                "free runs": 3,
+                "largest free run": 7,
+                "external fragmentation": 0.3,
+                "internal fragmentation": 0.0833,
+            },
+        ],
+        "requests_live": 2,
+        "swa_outside_window_tokens": 8,
+        "step": 5,
+    }
+    assert views.step_figures(state, pools, None)["swa_outside_window_tokens"] == 0  # no window: none outside
+
+
 def test_violation_slots_are_the_named_requests_up_to_the_step():
     vs = [V("request_leak", 3, "b"), V("double_free", 9, "a"), V("pool_conservation", 2)]
     assert views.violation_slots(_state(), vs, 5) == {1}
@@ -133,6 +190,13 @@ def test_swa_evicted_pages_follow_the_free_then_write_rule():
     ]
     assert views.swa_evicted_pages(events).tolist() == [4]
     assert views.swa_evicted_pages([]).tolist() == []
+    # An SWA free not followed by an eviction, then one that is: only the second free's pages were evicted.
+    events = [
+        PU(1, "free_swa", [6], [FREE]),
+        PU(2, "free_swa_segment", [7], [FREE]),
+        ev.SwaEvict(seq=3, ts=0.0, step=3, rid="a", old=0, new=4, n_pages=1),
+    ]
+    assert views.swa_evicted_pages(events).tolist() == [7]
 
 
 def test_lifeline_rows_ledger_series_and_the_violating_write():

@@ -240,6 +240,33 @@ def test_page_size_one_alloc_prefill_decode_and_retraction(memory):
     assert not w.violations
 
 
+def test_prefill_of_new_requests_with_a_cached_prefix(memory):
+    """A new request whose prompt prefix is cached (a radix cache hit: alloc_extend with prefix_lens > 0 for a
+    request the allocator never saw): its ledger share would overcount, so the prefill event gives the call's
+    own slots and new pages, alone (kv.n_*) or for a batch of two (kv.batch_n_*)."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    p = Req("p")
+    extend(w, [p], [8])  # 8 tokens, 2 full pages, kept in the prefix cache
+    w.step()
+    # q: prefix 8 cached, 6 new tokens (positions 8..13): 6 slots on 2 new pages.
+    q = Req("q", row=list(p.row))
+    extend(w, [q], [6])
+    # r and s in one batch, each prefix 8 cached, 5 and 3 new tokens: 8 slots on 2 + 1 = 3 new pages.
+    r, s = Req("r", row=list(p.row)), Req("s", row=list(p.row))
+    extend(w, [r, s], [5, 3])
+    for x in (q, r, s):
+        w.release_request(x.rid)
+    exp.shutdown()
+    spans = request_spans(mem)
+    assert events(spans["q"], "kv.prefill") == [
+        ("kv.prefill", {"kv.op": "alloc_extend", "kv.step": 1, "kv.n_slots": 6, "kv.n_pages": 2})
+    ]
+    batch = {"kv.op": "alloc_extend", "kv.step": 1, "kv.batch_size": 2, "kv.batch_n_slots": 8, "kv.batch_n_pages": 3}
+    assert events(spans["r"], "kv.prefill") == events(spans["s"], "kv.prefill") == [("kv.prefill", batch)]
+
+
 def test_events_per_span_are_bounded(memory):
     provider, mem = memory
     w = paged()
