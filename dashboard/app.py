@@ -26,7 +26,7 @@ import streamlit as st  # noqa: E402
 from dashboard import data, pagemap, views  # noqa: E402
 from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH  # noqa: E402
 
-LIVE_STEPS = 500  # the live violation list covers this many newest steps
+LIVE_VIOLATIONS = 200  # the live violation list shows this many newest violations, however old
 
 
 def _refresh() -> float:
@@ -133,7 +133,9 @@ def _live(rec) -> None:
     st.subheader(f"Now (step {ov.last})")
     _figures(state, ov)
     st.subheader("Violations, newest first")
-    vs = rec.violations(start=max(ov.first, ov.last - LIVE_STEPS))
+    vs = rec.violations(newest=LIVE_VIOLATIONS)
+    if ov.violations > len(vs):
+        st.caption(f"the newest {len(vs)} of {ov.violations:,} (Incident review lists them all)")
     st.dataframe(views.violation_rows(vs), hide_index=True)
     _page_maps(rec, ov, state, vs, ov.last)
 

@@ -106,9 +106,12 @@ class Server:
                 self.proc.wait(timeout)
 
 
-def _free(port: int) -> int:
-    """``port`` if it can be bound on 127.0.0.1 (0: any free port); OSError naming the port otherwise."""
+def check_port(port: int) -> int:
+    """``port`` if the app could bind it on 127.0.0.1 now (0: any free port); OSError naming the port otherwise.
+    Binds as the app's server does, with ``SO_REUSEADDR``: a port whose earlier connections are still in
+    TIME-WAIT (a dashboard just stopped, its browser tab still open) is free, one with a listener is not."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
@@ -132,7 +135,7 @@ def require_streamlit() -> None:
 def start(recording=None, *, port: int = 8501, directory=None, refresh: float | None = None) -> Server:
     """Start the dashboard in the background (e.g. next to a running demo) and return at once; the caller
     stops it (``Server.stop``). ValueError for bad arguments, OSError when the port is taken."""
-    port = _free(int(port))
+    port = check_port(int(port))
     argv, env = command(recording, port=port, directory=directory, refresh=refresh)
     # The app's own banner would interleave with the caller's output; its errors still reach stderr.
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
@@ -145,7 +148,7 @@ def launch(recording=None, *, port: int = 8501, directory=None, refresh: float |
     The app runs as a child process and never outlives this one: SIGTERM (a service manager, a test) is forwarded
     to it, and Ctrl-C (which the terminal sends to both) waits for it to stop, terminating it after 15 s.
     OSError naming the port when it is taken (port 0: a free one is picked and printed), before anything starts."""
-    port = _free(int(port))
+    port = check_port(int(port))
     argv, env = command(recording, port=port, directory=directory, refresh=refresh)
     print(f"dashboard: http://127.0.0.1:{port}  (recordings under {env[ENV_DIR]})", flush=True)
     proc = subprocess.Popen(argv, env=env)

@@ -1827,12 +1827,20 @@ class Recording:
         with self._read() as conn, self._parsing("the snapshots' steps"):
             return [int(r[0]) for r in conn.execute("SELECT step FROM snapshots GROUP BY seq ORDER BY seq")]
 
-    def violations(self, start: int | None = None, stop: int | None = None) -> list[Violation]:
-        """Every recorded violation with ``start <= step < stop`` (None: unbounded), in order."""
+    def violations(
+        self, start: int | None = None, stop: int | None = None, *, newest: int | None = None
+    ) -> list[Violation]:
+        """Every recorded violation with ``start <= step < stop`` (None: unbounded), in order; ``newest``: only the
+        newest that many of them (still in order)."""
+        if newest is not None and (isinstance(newest, bool) or not isinstance(newest, int) or newest < 0):
+            raise ValueError(f"newest: expected an int >= 0, got {newest!r}")
         sql = "SELECT invariant, message, pool, rid, step, op, ts, trace_id, severity FROM violations"
         where, args = _step_range(start, stop)
         with self._read() as conn:
-            rows = conn.execute(f"{sql}{where} ORDER BY seq", args).fetchall()
+            if newest is None:
+                rows = conn.execute(f"{sql}{where} ORDER BY seq", args).fetchall()
+            else:
+                rows = conn.execute(f"{sql}{where} ORDER BY seq DESC LIMIT ?", [*args, newest]).fetchall()[::-1]
         return [
             Violation(invariant=i, message=m, pool=p, rid=r, step=s, op=o, ts=t, trace_id=tr, severity=sv)
             for i, m, p, r, s, o, t, tr, sv in rows

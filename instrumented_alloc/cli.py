@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 PROG = "instrumented-alloc"
@@ -74,13 +76,15 @@ def _demo(args: argparse.Namespace) -> int:
     rc, how = 0, "finished"
     start = time.monotonic()
     next_at = start
+    interrupt = _StepInterrupt()
     try:
         while True:
             if args.steps is not None and engine.step_no >= args.steps:
                 break
             if args.duration is not None and time.monotonic() - start >= args.duration:
                 break
-            engine.step()
+            with interrupt:
+                engine.step()
             progress.update()
             if pace:
                 next_at += 1.0 / pace
@@ -113,6 +117,39 @@ def _demo(args: argparse.Namespace) -> int:
     return rc
 
 
+class _StepInterrupt:
+    """Ctrl-C (SIGINT) during an engine step takes effect when the step ends: a KeyboardInterrupt raised inside an
+    allocator call would leave the inner allocator changed and the wrapper's shadow not, and the shutdown sweep
+    would then report violations the engine never made (``pool_conservation``, ``request_leak``). A second Ctrl-C
+    in the same step interrupts at once. Outside a step (pacing sleeps) Ctrl-C interrupts at once, as before.
+    Only in the main thread, and only where SIGINT has Python's default handler (a shell that ignores it for a
+    background job is left alone)."""
+
+    def __init__(self):
+        self.hit = False
+        self.active = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+
+    def _handler(self, signum, frame):
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __enter__(self):
+        if self.active:
+            signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.active:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.hit and exc_type is None:
+            raise KeyboardInterrupt
+        return False
+
+
 def _crashed(engine, exc: AssertionError) -> str:
     # The allocator's own asserts (SGLang's over-credit checks) end a run that injected faults corrupted, as they
     # would end a real engine; the recording keeps everything up to here.
@@ -124,6 +161,15 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
     alloc = engine.alloc
     if args.mode == "off" and (args.record or args.metrics_port is not None or args.otlp_endpoint):
         raise UsageError("--mode off records and exports nothing; drop --record/--metrics-port/--otlp-endpoint")
+    if args.dashboard and not args.record:
+        raise UsageError("--dashboard shows the live recording: give --record PATH too")
+    if args.dashboard:
+        # Before the recorder truncates an existing file (--overwrite): a dashboard that cannot start is bad input
+        # that must leave nothing changed.
+        try:
+            _dashboard_launcher().check_port(args.dashboard_port)
+        except OSError as exc:
+            raise UsageError(f"--dashboard: {exc}") from None
     if args.max_bytes is not None and (args.max_bytes < 1 or not args.record):
         raise UsageError(
             f"--max-bytes must be >= 1, got {args.max_bytes}" if args.max_bytes < 1 else "--max-bytes needs --record"
@@ -182,8 +228,6 @@ def _attach_exporters(args, engine, preset, closers: list) -> None:
         print(f"recording: {os.path.abspath(args.record)}", flush=True)
         if args.dashboard:
             _open_dashboard(args, closers)
-    elif args.dashboard:
-        raise UsageError("--dashboard shows the live recording: give --record PATH too")
 
 
 def _open_dashboard(args, closers: list) -> None:

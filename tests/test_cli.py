@@ -294,6 +294,78 @@ def test_ctrl_c_stops_cleanly_and_closes_the_recording(tmp_path):
     assert _run("check", rec).returncode == 0
 
 
+def test_ctrl_c_inside_an_allocator_call_takes_effect_at_the_steps_end(tmp_path, monkeypatch, capsys):
+    # SIGINT lands in the middle of an allocator call: the inner allocator has handed out its pages, the wrapper is
+    # about to mirror them in its shadow. Raised there, the KeyboardInterrupt left the two apart and the shutdown
+    # sweep reported pool_conservation on a clean run; now the step finishes first, and the run stops clean.
+    import os
+
+    import instrumented_alloc.sim as sim
+
+    real_build = sim.build_engine
+    fired = []
+
+    def build_engine(*args, **kwargs):
+        engine = real_build(*args, **kwargs)
+        shadow = engine.alloc._w_st.full.shadow
+        on_alloc = shadow.on_alloc
+
+        def interrupted(*a, **kw):
+            if engine.step_no >= 40 and not fired:
+                fired.append(engine.step_no)
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, before the shadow is updated
+            return on_alloc(*a, **kw)
+
+        shadow.on_alloc = interrupted
+        return engine
+
+    monkeypatch.setattr(sim, "build_engine", build_engine)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever pytest inherited
+    try:
+        rec = tmp_path / "interrupted.sqlite"
+        assert cli.main(["demo", "--preset", "swa-128", "--steps", "400", "--record", str(rec)]) == 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out = capsys.readouterr().out
+    assert len(fired) == 1
+    assert f"stopped (Ctrl-C) after {fired[0] + 1} steps" in out and "violations: none" in out, out
+    assert cli.main(["check", str(rec)]) == 0
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_dashboard_port_in_time_wait_is_free_and_a_listened_one_is_not():
+    # A dashboard just stopped leaves its browser's connections in TIME-WAIT on the port for a minute; the app's
+    # server binds it regardless (SO_REUSEADDR), so the check must too (it refused the README's next command).
+    from dashboard import launch
+
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the app's server (tornado) binds
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server's side closes first: its end of the connection goes to TIME-WAIT
+        client.close()
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is taken"):
+            launch.check_port(port)  # the listener is still there
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # the control: without SO_REUSEADDR the TIME-WAIT entry blocks a bind
+    assert launch.check_port(port) == port
+
+
+def test_a_dashboard_that_cannot_start_leaves_the_recording_untouched(tmp_path, taken_port):
+    rec = tmp_path / "incident.sqlite"
+    assert _run("demo", "--preset", "pd-decode", "--steps", "120", "--inject", "double-free@60", "--record",
+                rec).returncode == 1 or rec.exists()
+    before = rec.read_bytes()
+    res = _run("demo", "--steps", "5", "--record", rec, "--overwrite", "--dashboard", "--dashboard-port",
+               str(taken_port))
+    _one_line_error(res, f"--dashboard: port {taken_port} on 127.0.0.1 is taken")
+    assert rec.read_bytes() == before  # bad input: nothing written, the incident still there
+    assert _run("check", rec).returncode == 1
+
+
 def test_demo_hash_request_ids(tmp_path, capsys, otel_env):
     """--hash-request-ids: the recording and the spans hold pseudonyms only, the same ones (one hasher for the run),
     and the metadata names the scheme; the raw ids the engine used appear nowhere in the file."""

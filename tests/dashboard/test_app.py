@@ -179,7 +179,9 @@ def test_live_view_shows_counts_and_newest_violations_first(app, recordings):
     assert metrics["violations"] == str(len(vs)) and metrics["step"] == str(last)
     assert metrics["recording"] == "finished"
     vrows = next(t.value.to_dict("records") for t in at.dataframe if "invariant" in t.value.columns)
-    shown = [v for v in vs if v.step >= last - 500]
+    # The newest 200 (app.LIVE_VIOLATIONS), however old: a window of the newest 500 steps went empty ten seconds
+    # after a fault at the demo's pace, while the header still counted it.
+    shown = vs[-200:]
     assert [(x["step"], x["invariant"]) for x in vrows] == [(v.step, v.invariant) for v in reversed(shown)]
     assert len(at.image) == 2  # the page maps of both pools
 

@@ -107,3 +107,17 @@ def test_exact_figures_of_a_hand_driven_run(tmp_path):
         assert r.request_span("a") == (1, 1)  # the batch call of a and b is stored without a request id
         assert r.request_span("b") == (2, 2)
         assert r.event_count() == len(list(r.events()))
+
+
+def test_newest_violations(rec):
+    r, _ = rec
+    every = r.violations()
+    assert len(every) == 2 and every[0].step < every[1].step
+    assert r.violations(newest=1) == every[-1:]  # the newest, not the first
+    assert r.violations(newest=2) == every  # still in order
+    assert r.violations(newest=len(every) + 5) == every
+    assert r.violations(newest=0) == []
+    assert r.violations(stop=every[-1].step, newest=1) == every[:1]  # the newest of the range
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="newest: expected an int >= 0"):
+            r.violations(newest=bad)
