@@ -38,9 +38,12 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   recorder was attached are not in the file.
 - Retention: ``max_events`` / ``max_bytes`` (``(page_count - freelist_count) * page_size`` of the main file, the
   WAL aside) delete the oldest events and the snapshots before the newest snapshot that is older than every kept
-  event, so ``state_at`` works for every kept step; the file shrinks through incremental vacuum. Violations are
-  always kept. It is a soft bound: events after the newest usable snapshot are never deleted (the recorder asks
-  for a snapshot when half the event budget, or a quarter of the byte budget, has been written since the last).
+  event, so ``state_at`` works for every kept step; the file shrinks through incremental vacuum. The violations
+  table keeps the run's first ``_FIRST_VIOLATIONS`` and, of the rest, the newest within a share of the bound
+  (half of ``max_events`` rows, a quarter of ``max_bytes``); the others are deleted and counted in the meta key
+  ``violations_dropped``. It is a soft bound: events after the newest usable snapshot are never deleted (the
+  recorder asks for a snapshot when half the event budget, or a quarter of the byte budget, has been written since
+  the last).
 - Faults: an unwritable path (or an existing file that is not a recording we may replace) raises
   ``RecorderError`` naming the path at construction. Any error of the writer later (disk full, I/O error, the file
   deleted or replaced under it) stops recording: one warning on the ``instrumented_alloc.recorder`` logger, the
@@ -114,6 +117,10 @@ _COMPRESS_OVER = 4096  # block bodies larger than this many bytes are deflated
 _PACK_COMPRESS_OVER = 512  # snapshot ledger documents larger than this many bytes are zlib-compressed
 _BLOCK_EVENTS = 512  # events of one block at most (a block is also closed before every commit)
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
+# Retention of the violations table (see FlightRecorder._trim_violations): the first violations of a run are never
+# deleted, and a row's size is estimated as its text plus this many bytes (rowid, integers, record header, cell).
+_FIRST_VIOLATIONS = 100
+_VIOLATION_ROW_OVERHEAD = 48
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
 _CLOCK_EVERY = 32  # queued batches the writer takes from a backlog between two reads of the clock
@@ -170,6 +177,7 @@ _RESERVED_META = frozenset(
         "max_bytes",
         "events_dropped",
         "events_lost",
+        "violations_dropped",
         "failure",
         "request_ids",
         "kinds",
@@ -1115,6 +1123,8 @@ class FlightRecorder:
         self._lost = _Tally()
         self._want_snapshot = False
         self._n_events = 0
+        self._violations_dropped = 0  # deleted by retention (see _trim_violations)
+        self._n_violations = 0  # rows written to the violations table (an upper bound on what it holds)
         self._since_snap_events = 0
         self._since_snap_bytes = 0
         self._rids_cache: dict = {}
@@ -1580,6 +1590,7 @@ class FlightRecorder:
             self._new_kindsets = []
         if vrows:
             self._conn.executemany("INSERT OR IGNORE INTO violations VALUES (?,?,?,?,?,?,?,?,?,?)", vrows)
+            self._n_violations += len(vrows)
 
     def _write_snapshot(self, step: int, seq: int, snaps: Mapping) -> None:
         if self._hasher is not None:
@@ -1618,14 +1629,13 @@ class FlightRecorder:
                 cur.close()
             if keep is not None:
                 deleted |= self._drop_before_snapshot_at_or_before(keep)
+        if self._max_events:
+            deleted |= self._trim_violations(rows=self._max_events // 2)
         if self._max_bytes:
+            if self._used_bytes() > self._max_bytes:
+                deleted |= self._trim_violations(size=self._max_bytes // 4)
             for _ in range(64):
-                ps = conn.execute("PRAGMA page_size").fetchone()[0]
-                used = (
-                    conn.execute("PRAGMA page_count").fetchone()[0]
-                    - conn.execute("PRAGMA freelist_count").fetchone()[0]
-                ) * ps
-                if used <= self._max_bytes:
+                if self._used_bytes() <= self._max_bytes:
                     break
                 seqs = [r[0] for r in conn.execute("SELECT DISTINCT seq FROM snapshots ORDER BY seq LIMIT 2")]
                 if len(seqs) < 2 or not self._drop_before(seqs[1]):
@@ -1633,6 +1643,52 @@ class FlightRecorder:
                 deleted = True
         if deleted:
             conn.executescript("PRAGMA incremental_vacuum;")
+
+    def _used_bytes(self) -> int:
+        conn = self._conn
+        pages = conn.execute("PRAGMA page_count").fetchone()[0] - conn.execute("PRAGMA freelist_count").fetchone()[0]
+        return pages * conn.execute("PRAGMA page_size").fetchone()[0]
+
+    def _trim_violations(self, *, rows: int | None = None, size: int | None = None) -> bool:
+        """Keep the violations table within its share of the retention bound: at most ``rows`` rows, or about
+        ``size`` bytes (the rows' text plus a per-row overhead, an estimate). The first ``_FIRST_VIOLATIONS`` of the
+        run are always kept (where an incident began); beyond the share, the oldest of the rest are deleted and
+        counted in the meta key ``violations_dropped``. Without a share, a run that violates at every step (a
+        corrupted pool) outgrew any byte bound while retention deleted the whole replayable history trying."""
+        conn = self._conn
+        if rows is not None:
+            if self._n_violations - self._violations_dropped <= max(rows, _FIRST_VIOLATIONS):
+                return False  # the usual case, without a count of the table
+            n = conn.execute("SELECT count(*) FROM violations").fetchone()[0]
+            excess = n - max(rows, _FIRST_VIOLATIONS)
+        else:
+            n, total = conn.execute(
+                "SELECT count(*), coalesce(sum(length(message) + length(invariant) + length(op) + length(severity)"
+                " + coalesce(length(pool), 0) + coalesce(length(rid), 0) + coalesce(length(trace_id), 0)), 0)"
+                " FROM violations"
+            ).fetchone()
+            total += n * _VIOLATION_ROW_OVERHEAD
+            if total <= size or n <= _FIRST_VIOLATIONS:
+                return False
+            excess = min(n - _FIRST_VIOLATIONS, -(-(total - size) * n // total))  # rows of the average size
+        if excess <= 0:
+            return False
+        conn.execute("BEGIN")
+        try:
+            gone = conn.execute(
+                "DELETE FROM violations WHERE seq IN (SELECT seq FROM violations ORDER BY seq LIMIT ? OFFSET ?)",
+                (excess, _FIRST_VIOLATIONS),
+            ).rowcount
+            self._violations_dropped += gone
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('violations_dropped', ?)",
+                (_dumps(self._violations_dropped).decode(),),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return gone > 0
 
     def _drop_before_snapshot_at_or_before(self, seq: int) -> bool:
         row = self._conn.execute("SELECT max(seq) FROM snapshots WHERE seq <= ?", (seq,)).fetchone()

@@ -366,6 +366,26 @@ def test_a_dashboard_that_cannot_start_leaves_the_recording_untouched(tmp_path, 
     assert _run("check", rec).returncode == 1
 
 
+def test_check_says_how_many_violations_retention_deleted(tmp_path, capsys):
+    # A corrupted pool violates at every step: under --max-bytes the recording keeps the first 100 violations and
+    # the newest within a share of the bound, and check says how many more there were.
+    rec = tmp_path / "bounded.sqlite"
+    cli.main(["demo", "--preset", "pd-decode", "--steps", "1500", "--inject", "double-free@300", "--record",
+              str(rec), "--max-bytes", "400000"])
+    capsys.readouterr()
+    with Recording(rec) as r:
+        kept, dropped = len(r.violations()), int(r.meta["violations_dropped"])
+    assert kept > 100 and dropped > 0
+    assert rec.stat().st_size <= 1.25 * 400000
+    assert cli.main(["check", str(rec)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{kept} violations of ")
+    assert out[1] == (
+        f"  and {dropped} more that retention deleted (the run's first 100 and the newest are kept; the counts "
+        "below are of those kept)"
+    )
+
+
 def test_demo_hash_request_ids(tmp_path, capsys, otel_env):
     """--hash-request-ids: the recording and the spans hold pseudonyms only, the same ones (one hasher for the run),
     and the metadata names the scheme; the raw ids the engine used appear nowhere in the file."""

@@ -895,6 +895,49 @@ def test_retention_by_bytes_bounds_the_file(tmp_path):
             assert_state_equals(r.state_at(step), snaps[step], step)
 
 
+@pytest.mark.parametrize("bound", ["bytes", "events"])
+def test_retention_bounds_a_run_that_violates_every_step(tmp_path, bound):
+    """A run that violates at every step (here: rejected ledger writes, 4 a step): the violations table keeps the
+    first 100 of the run and the newest within its share of the bound (a quarter of max_bytes, half of
+    max_events), counting the rest in meta's violations_dropped, so the file stays bounded and the history stays
+    replayable. It used to keep every violation: a 256 KiB bound grew to 1.8 MB while retention deleted all the
+    history but the current step trying to get under it."""
+    import torch
+
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(256, 4, torch.float16, "cpu"))
+    path = tmp_path / "violating.db"
+    limits = {"max_bytes": 256 * 1024} if bound == "bytes" else {"max_events": 4000}
+    rec = FlightRecorder(w, path, snapshot_every=20, flush_interval=0.01, **limits)
+    seen: list = []
+    w.subscribe(lambda batch: seen.extend(e.violation for e in batch if isinstance(e, ev.ViolationEvent)))
+    with w.batch(["r"]):
+        w.alloc(4)
+    for i in range(1500):
+        for _ in range(4):
+            w.ledger["r"].kv_committed_len = 10**6 + i  # rejected: kv_committed_le_allocated
+        w.step()
+        assert rec.flush(5.0)  # nothing lost to a full queue: every violation reaches the file
+    rec.close()
+    assert len(seen) == 6000
+    with Recording(path) as r:
+        vs = r.violations()
+        kept = [(v.step, v.message) for v in vs]
+        assert kept[:100] == [(v.step, v.message) for v in seen[:100]]  # where it began
+        assert kept[100:] == [(v.step, v.message) for v in seen[len(seen) - len(vs) + 100 :]]  # the newest
+        assert int(r.meta["violations_dropped"]) == len(seen) - len(vs) > 0
+        first, last = r.steps()
+        assert last == w.step_count and last - first >= 20
+        r.state_at(first)
+        if bound == "bytes":
+            assert path.stat().st_size <= 1.25 * 256 * 1024
+            assert len(vs) < 1500
+        else:
+            assert len(vs) == 2000
+
+
 def stuck_writer(rec, monkeypatch):
     """Hold the writer in its next write until the returned gate is set; ``entered`` is set once it is held."""
     gate, entered = threading.Event(), threading.Event()
