@@ -252,7 +252,7 @@ class _CallState:
         # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
         self.roll_key = None
         self.ledger = self.pools = self.full = self.swa = self.counts = None  # set by the wrapper's __init__
-        # Pool name -> the checked view of that pool's own allocator (see InstrumentedAllocator._w_sub).
+        # (attribute, pool name) -> the checked view of that pool's own allocator (see InstrumentedAllocator._w_sub).
         self.views: dict = {}
 
 
@@ -921,13 +921,14 @@ class InstrumentedAllocator:
                 self._flush_fold()  # before this call changes any page a request's values are measured from
             n = self._validate(op, check_int, "need_size", need_size)
             pool = st.pools[pool_name]
-            before = [(pool.entries(), None)] if st.need_sort or len(st.pools) > 1 else None
+            before = pool.entries()
             t0 = st.clock()
             out = pool.allocator.alloc(n)
             dt = st.clock() - t0
             if out is None:
-                if before is not None and pool.entries() != before[0][0]:
-                    pool.shadow.expected_entries = before[0][0]
+                # A refusal must take no page (see _alloc_none).
+                if pool.entries() != before:
+                    pool.shadow.expected_entries = before
                     self._report(pool.shadow.check_count(pool.entries(), f"{op} returned None but"), pool_name, op)
                 if self.bus.wants(ev.AllocFailed):
                     self._emit(

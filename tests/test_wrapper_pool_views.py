@@ -259,3 +259,18 @@ def test_sglang_pure_swa_still_catches_a_double_free():
     with pytest.raises(InvariantViolation) as info:
         w.free_swa(x)
     assert (info.value.violation.invariant, info.value.violation.pool) == ("double_free", "full")
+
+
+def test_a_refused_allocation_on_a_pool_is_an_alloc_failure_of_that_pool():
+    bare, inner = SWA["ours-ps4"](), SWA["ours-ps4"]()
+    w = InstrumentedAllocator(inner, mode="record")
+    got = []
+    w.subscribe(got.extend)
+    assert bare.swa_attn_allocator.alloc(260) is None
+    assert w.swa_attn_allocator.alloc(260) is None  # more than its 64 slots
+    fails = [e for e in got if isinstance(e, ev.AllocFailed)]
+    assert [(e.op, e.pool, e.requested, e.available, e.rids) for e in fails] == [
+        ("swa_attn_allocator.alloc", "swa", 260, 64, ())
+    ]
+    w.step()
+    assert _violations(w) == [] and allocator_state(w) == allocator_state(bare)
