@@ -153,25 +153,10 @@ def test_a_request_seen_only_in_batch_calls_has_a_history(tmp_path):
 def test_snapshot_states_leave_out_what_retention_deleted_since(tmp_path):
     # The live view reads the recent snapshot steps, then each state: a bounded recording being written may delete
     # the oldest of those steps in between. They are left out, not shown as an error (the page used to stop there).
-    import torch
+    from tests.exporters.test_recorder import bounded_recording
 
-    from exporters.recorder import FlightRecorder
-    from instrumented_alloc import InstrumentedAllocator
-    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
-
-    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
     path = tmp_path / "bounded.sqlite"
-    rec = FlightRecorder(w, path, max_events=40, snapshot_every=4)
-
-    def steps(n):
-        for _ in range(n):
-            with w.batch(["r"]):
-                out = w.alloc(4)
-            w.free(out)
-            w.release_request("r")
-            w.step()
-        assert rec.flush(5.0)
-
+    rec, steps = bounded_recording(path, max_events=40, snapshot_every=4)
     steps(20)
     with Recording(path) as r:
         wanted = r.snapshot_steps()[-8:]

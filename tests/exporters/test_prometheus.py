@@ -468,17 +468,22 @@ print("RESULT ok")
 """
 
 
-def test_multiprocess_without_const_labels(tmp_path):
-    # A single rank under PROMETHEUS_MULTIPROC_DIR with no const labels: the gauges without labels of their own
-    # are their own series (prometheus_client refused .labels() on them, and the constructor failed).
+def _one_rank(tmp_path, child: str):
+    """Run ``child`` (a script taking the multiprocess directory) as one rank in a fresh process."""
     mp_dir = tmp_path / "mp"
     mp_dir.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     p = subprocess.run(
-        [sys.executable, "-c", NO_LABELS_CHILD, str(mp_dir)], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=60,
+        [sys.executable, "-c", child, str(mp_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
+    return mp_dir, p
+
+
+def test_multiprocess_without_const_labels(tmp_path):
+    # A single rank under PROMETHEUS_MULTIPROC_DIR with no const labels: the gauges without labels of their own
+    # are their own series (prometheus_client refused .labels() on them, and the constructor failed).
+    mp_dir, p = _one_rank(tmp_path, NO_LABELS_CHILD)
     assert p.returncode == 0 and "RESULT ok" in p.stdout, p.stderr[-3000:]
     s = _mp_samples(mp_dir)
     assert _find(s, "kvalloc_page_size_tokens") == {(): 4.0}
@@ -516,13 +521,7 @@ print("RESULT " + repr([v.invariant for v in w.violations]))
 
 
 def test_multiprocess_histograms_of_an_swa_run(tmp_path):
-    mp_dir = tmp_path / "mp"
-    mp_dir.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    p = subprocess.run(
-        [sys.executable, "-c", SWA_CHILD, str(mp_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
+    mp_dir, p = _one_rank(tmp_path, SWA_CHILD)
     assert p.returncode == 0 and "RESULT ['request_leak']" in p.stdout, p.stderr[-3000:]
     s = _mp_samples(mp_dir)
     lab = tuple(sorted(CONST.items()))

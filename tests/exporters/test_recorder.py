@@ -468,37 +468,47 @@ def test_calls_on_a_pools_own_allocator_replay_page_by_page(tmp_path):
         ]
 
 
-def test_events_read_while_retention_deletes_ahead_raise_instead_of_skipping(tmp_path, monkeypatch):
-    """A long ``events()`` iteration of a bounded recording being written: when retention deletes blocks the
-    iteration has not reached, it raises ``IncompleteHistory`` naming the first missing seq (it used to skip them,
-    or stop early, silently). An iteration that retention does not overtake reads everything."""
+def bounded_recording(path, **limits):
+    """A recorder with ``limits`` on a small paged allocator, and ``steps(n, flush_each=False)``: n steps of one
+    request allocated, freed and released, then a flush (after each step with ``flush_each``: a block per step)."""
     import torch
 
     from instrumented_alloc import InstrumentedAllocator
     from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
 
-    monkeypatch.setattr(recorder_mod, "_READ_BLOCKS", 3)  # chunks of 3 blocks: a long read in a few steps
     w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"))
-    path = tmp_path / "bounded.db"
-    rec = FlightRecorder(w, path, max_events=60, snapshot_every=5)
+    rec = FlightRecorder(w, path, **limits)
 
-    def steps(n):
+    def steps(n, flush_each=False):
         for _ in range(n):
             with w.batch(["r"]):
                 out = w.alloc(4)
             w.free(out)
             w.release_request("r")
             w.step()
-            rec.flush()  # a block per step
+            if flush_each:
+                assert rec.flush(5.0)
+        assert rec.flush(5.0)
 
-    steps(12)
+    return rec, steps
+
+
+def test_events_read_while_retention_deletes_ahead_raise_instead_of_skipping(tmp_path, monkeypatch):
+    """A long ``events()`` iteration of a bounded recording being written: when retention deletes blocks the
+    iteration has not reached, it raises ``IncompleteHistory`` naming the first missing seq (it used to skip them,
+    or stop early, silently). An iteration that retention does not overtake reads everything."""
+    monkeypatch.setattr(recorder_mod, "_READ_BLOCKS", 3)  # chunks of 3 blocks: a long read in a few steps
+    path = tmp_path / "bounded.db"
+    rec, steps = bounded_recording(path, max_events=60, snapshot_every=5)
+
+    steps(12, flush_each=True)  # a block per step
     with Recording(path) as r:
         first, last = r.steps()
         whole = list(r.events(first, last + 1))  # nothing overtakes it: every kept event, in order
         assert [e.seq for e in whole] == list(range(whole[0].seq, whole[-1].seq + 1))
         it = r.events(first)
         head = [next(it)]
-        steps(30)  # retention deletes far past the blocks the iteration has not read
+        steps(30, flush_each=True)  # retention deletes far past the blocks the iteration has not read
         with pytest.raises(replay.IncompleteHistory, match=r"retention deleted the events from seq \d+ on"):
             head.extend(it)
         assert head[-1].step <= last  # what it gave before is what was there
