@@ -36,7 +36,8 @@ import numpy as np
 import pytest
 import torch
 
-from instrumented_alloc import InvariantViolation
+from instrumented_alloc import InstrumentedAllocator, InvariantViolation
+from instrumented_alloc.allocators import SWATokenToKVPoolAllocator
 from instrumented_alloc.argcheck import ArgumentError
 from instrumented_alloc.events import ViolationEvent
 from tests.engine_model import Req, allocator_state, t
@@ -418,6 +419,44 @@ def test_unaligned_start_pos(config, method, mode):
     assert allocator_state(e.inner) == before == allocator_state(e.bare)
     want = ["segment_start_unaligned"] if mode in ("record", "raise") else []
     assert [v.invariant for v in e.w.violations] == want
+
+
+class _ForeignSWA:
+    """An SGLang-interface SWA allocator that is not one of the reference allocators (duck-typed): the wrapper
+    cannot rely on its checks, so it checks the SWA tail itself. Records the tail calls that reach it."""
+
+    def __init__(self):
+        object.__setattr__(self, "real", SWATokenToKVPoolAllocator(64, 64, 4, torch.float16, "cpu", None, False))
+        object.__setattr__(self, "forwarded", [])
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def alloc_extend_swa_tail(self, *args):
+        self.forwarded.append(args[-2:])
+        return self.real.alloc_extend_swa_tail(*args)
+
+
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_too_long_swa_tail_never_reaches_a_foreign_inner(mode):
+    inner = _ForeignSWA()
+    w = InstrumentedAllocator(inner, mode=mode)
+    before = allocator_state(inner.real)
+    with pytest.raises(ValueError) as info:
+        w.alloc_extend_swa_tail(t([0]), t([0]), t([8]), t([8]), t([-1]), 8, 9)  # tail 9 > 8 tokens
+    assert (info.value.argument, str(info.value)) == ("swa_tail_len", "swa_tail_len: 9 exceeds extend_num_tokens 8")
+    assert inner.forwarded == []
+    assert allocator_state(inner.real) == before
+    assert [(v.invariant, v.op, v.message) for v in w.violations] == [
+        (
+            "invalid_argument",
+            "alloc_extend_swa_tail",
+            "alloc_extend_swa_tail: swa_tail_len: 9 exceeds extend_num_tokens 8",
+        )
+    ]
+    # A tail of all 8 tokens is valid and forwarded.
+    assert w.alloc_extend_swa_tail(t([0]), t([0]), t([8]), t([8]), t([-1]), 8, 8).tolist() == list(range(4, 12))
+    assert inner.forwarded == [(8, 8)]
 
 
 # -- wrapper-only API ---------------------------------------------------------------------------------------------

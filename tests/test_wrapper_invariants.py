@@ -371,7 +371,7 @@ def test_unaligned_segment_names_the_request_owning_its_first_page():
     with pytest.raises(ValueError, match="start_pos"):  # the allocator itself refuses it after the record
         d.w.free_segment(t(a.row[2:]), start_pos=2)
     (v,) = d.w.violations
-    assert (v.invariant, v.rid, v.op) == ("segment_start_unaligned", a.rid, "free_segment")
+    assert (v.invariant, v.rid, v.op, v.pool) == ("segment_start_unaligned", a.rid, "free_segment", "full")
 
 
 def test_unaligned_segment_under_deferred_verification_names_no_request():
@@ -384,3 +384,131 @@ def test_unaligned_segment_under_deferred_verification_names_no_request():
         d.w.free_segment(t(a.row[2:]), start_pos=2)
     (v,) = d.w.violations
     assert (v.invariant, v.rid, v.op, v.step) == ("segment_start_unaligned", None, "free_segment", 1)
+
+
+# -- faults whose exact report is easy to get wrong ----------------------------------------------------------------
+
+
+def _seen(w) -> list:
+    return [(v.invariant, v.rid, v.pool, v.op, v.message) for v in w.violations]
+
+
+@pytest.mark.parametrize("need_sort", [True, False])
+def test_handing_out_a_page_still_staged_or_held_by_an_open_free_group_is_duplicate_allocation(need_sort):
+    # A freed page is staged (need_sort) until an alloc merges it, or held by an open free group until it ends:
+    # not free yet. A free list that lists it again and hands it out hands out a page still in use.
+    d = Driver(
+        lambda: PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu", None, need_sort), "record", "immediate"
+    )
+    a, b = Req("a"), Req("b")
+    d.extend([a], [PS])
+    page = a.row[0] // PS
+    if not need_sort:
+        d.call("free_group_begin")
+    d.call("free", t(a.row))
+    d.corrupt(lambda inner: setattr(inner, "free_pages", torch.cat([t([page]), inner.free_pages])))
+    d.extend([b], [PS])
+    assert b.row[0] // PS == page
+    assert _seen(d.w) == [
+        (
+            "duplicate_allocation",
+            "b",
+            "full",
+            "alloc_extend",
+            f"alloc_extend handed out [{page}] (1 pages) already in use; page {page} was staged",
+        )
+    ]
+    assert allocator_state(d.inner) == allocator_state(d.bare)
+
+
+def test_a_free_touching_page_0_leaves_it_reserved():
+    # Record mode forwards the bad free: the inner lists page 0 as free and hands it out later. The shadow keeps
+    # page 0 reserved, so that hand-out is reported too.
+    d = Driver(ours_paged, "record", "immediate")
+    a, b = Req("a"), Req("b")
+    d.extend([a], [PS])
+    d.call("free", t([1, 2, *a.row]))  # slots 1 and 2 are in page 0
+    d.extend([b], [2 * PS])
+    assert [s // PS for s in b.row[::PS]] == [0, 1]
+    d.w.step()
+    assert _seen(d.w) == [
+        ("reserved_page_touched", None, "full", "free", "free frees reserved page 0"),
+        (
+            "reserved_page_touched",
+            None,
+            "full",
+            "alloc_extend",
+            f"alloc_extend handed out reserved page 0 ({PS} slots)",
+        ),
+    ]
+    assert allocator_state(d.inner) == allocator_state(d.bare)
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+def test_decode_continuing_into_a_page_never_handed_out_is_slot_page_alignment(verify):
+    d = Driver(ours_paged, "record", verify)
+    a = Req("a")
+    d.extend([a], [6])  # positions 0..5: a's second page is half full
+    bad_last = 10 * PS + 1  # the right offset for position 6, but in page 10, which was never handed out
+    with d.w.batch(["a"]):
+        out = d.call("alloc_decode", t([7]), t([7]), t([bad_last]))
+    assert out.tolist() == [bad_last + 1]
+    d.w.step()
+    assert _seen(d.w) == [
+        (
+            "slot_page_alignment",
+            "a",
+            "full",
+            "alloc_decode",
+            "alloc_decode handed out [10] (1 pages) free, though the slot continues the request's own page "
+            "(bad last_loc); page 10 was free",
+        )
+    ]
+    assert d.w.violations[0].step == (0 if verify == "immediate" else 1)
+
+
+def test_sweep_reports_a_mapping_onto_another_requests_swa_page():
+    d = Driver(ours_swa, "record", "immediate")
+    a, b = Req("a"), Req("b")
+    d.extend([a, b], [PS, PS])
+    d.w.step()
+
+    def corrupt(inner):  # a's full page now maps onto b's SWA page
+        m = inner.full_to_swa_index_mapping
+        m[t(a.row)] = m[t(b.row)].clone()
+
+    d.corrupt(corrupt)
+    d.w.step()
+    assert list(d.w.violations) == []  # no call touched it: only the sweep reads the whole mapping
+    found = d.w.check_consistency()
+    want = f"sweep: full pages [{a.row[0] // PS}] (1) point at SWA pages owned by another request"
+    assert _seen(d.w) == [("swa_mapping_inconsistent", None, "swa", "sweep", want)]
+    assert found == list(d.w.violations)
+
+
+@pytest.mark.parametrize("boundary", ["flush", "check_consistency"])
+def test_clean_swa_eviction_passes_the_whole_ledger_check(boundary):
+    # flush() and check_consistency() compare every request's ledger with its pages at once: the SWA side owns
+    # the allocated pages less the evicted ones.
+    d = Driver(ours_swa, "record", "immediate")  # window 8
+    a = Req("a")
+    d.extend([a], [20])
+    d.call("free_swa_segment", t(a.row[0:8]), start_pos=0)  # the first 2 pages leave the window
+    d.w.ledger["a"].swa_evicted_seqlen = 8
+    d.w.step()
+    assert getattr(d.w, boundary)() in (None, [])
+    assert list(d.w.violations) == []
+    slot = d.w.ledger.slot_of("a", create=False)
+    assert (d.w.ledger.owned["full"][slot], d.w.ledger.owned["swa"][slot]) == (5, 3)
+
+
+def test_request_leak_names_the_pool_still_holding_pages():
+    d = Driver(ours_swa, "record", "immediate")
+    a = Req("a")
+    d.extend([a], [2 * PS])
+    d.fault_call("free_full", t(a.row))  # free_swa skipped: a's SWA pages stay a's
+    d.w.release_request("a")
+    assert _seen(d.w)[1:] == [
+        ("request_leak", "a", "swa", "release", "request 'a' released while still owning 2 pages (swa: 2)")
+    ]
+    assert _seen(d.w)[0][:4] == ("swa_mapping_inconsistent", "a", "swa", "free_full")

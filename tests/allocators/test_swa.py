@@ -409,11 +409,15 @@ def test_alloc_extend_swa_tail_zero_takes_no_swa_pages():
     assert a.full_available_size() == 5 * PS
 
 
-def test_alloc_extend_swa_tail_clears_stale_mapping_of_non_tail():
+@pytest.mark.parametrize(
+    "tail, swa",
+    [(4, [4, 5, 6, 7]), (11, list(range(4, 15)))],  # 11 of 12: a single non-tail slot, cleared all the same
+)
+def test_alloc_extend_swa_tail_clears_stale_mapping_of_non_tail(tail, swa):
     a = make(full_pages=8, swa_pages=8)
     a.full_to_swa_index_mapping[4:16] = 99  # stale values where the new slots will land
-    out = call_tail(a, 0, 12, -1, 4)
-    assert mapping_of(a, out.tolist()) == [0] * 8 + [4, 5, 6, 7]
+    out = call_tail(a, 0, 12, -1, tail)
+    assert mapping_of(a, out.tolist()) == [0] * (12 - tail) + swa
 
 
 def test_alloc_extend_swa_tail_zero_leaves_mapping_like_sglang():
