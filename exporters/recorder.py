@@ -39,7 +39,7 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
 - Retention: ``max_events`` / ``max_bytes`` (``(page_count - freelist_count) * page_size`` of the main file, the
   WAL aside) delete the oldest events and the snapshots before the newest snapshot that is older than every kept
   event, so ``state_at`` works for every kept step; the file shrinks through incremental vacuum. The violations
-  table keeps the run's first ``_FIRST_VIOLATIONS`` and, of the rest, the newest within a share of the bound
+  table keeps the run's first ``FIRST_VIOLATIONS_KEPT`` and, of the rest, the newest within a share of the bound
   (half of ``max_events`` rows, a quarter of ``max_bytes``); the others are deleted and counted in the meta key
   ``violations_dropped``. It is a soft bound: events after the newest usable snapshot are never deleted (the
   recorder asks for a snapshot when half the event budget, or a quarter of the byte budget, has been written since
@@ -119,7 +119,7 @@ _BLOCK_EVENTS = 512  # events of one block at most (a block is also closed befor
 _READ_BLOCKS = 200  # blocks per read transaction of Recording.events
 # Retention of the violations table (see FlightRecorder._trim_violations): the first violations of a run are never
 # deleted, and a row's size is estimated as its text plus this many bytes (rowid, integers, record header, cell).
-_FIRST_VIOLATIONS = 100
+FIRST_VIOLATIONS_KEPT = 100
 _VIOLATION_ROW_OVERHEAD = 48
 _INSERT_ROWS = 64  # encoded blocks the writer buffers before one executemany
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
@@ -1651,16 +1651,16 @@ class FlightRecorder:
 
     def _trim_violations(self, *, rows: int | None = None, size: int | None = None) -> bool:
         """Keep the violations table within its share of the retention bound: at most ``rows`` rows, or about
-        ``size`` bytes (the rows' text plus a per-row overhead, an estimate). The first ``_FIRST_VIOLATIONS`` of the
+        ``size`` bytes (the rows' text plus a per-row overhead, an estimate). The first ``FIRST_VIOLATIONS_KEPT`` of the
         run are always kept (where an incident began); beyond the share, the oldest of the rest are deleted and
         counted in the meta key ``violations_dropped``. Without a share, a run that violates at every step (a
         corrupted pool) outgrew any byte bound while retention deleted the whole replayable history trying."""
         conn = self._conn
         if rows is not None:
-            if self._n_violations - self._violations_dropped <= max(rows, _FIRST_VIOLATIONS):
+            if self._n_violations - self._violations_dropped <= max(rows, FIRST_VIOLATIONS_KEPT):
                 return False  # the usual case, without a count of the table
             n = conn.execute("SELECT count(*) FROM violations").fetchone()[0]
-            excess = n - max(rows, _FIRST_VIOLATIONS)
+            excess = n - max(rows, FIRST_VIOLATIONS_KEPT)
         else:
             n, total = conn.execute(
                 "SELECT count(*), coalesce(sum(length(message) + length(invariant) + length(op) + length(severity)"
@@ -1668,16 +1668,16 @@ class FlightRecorder:
                 " FROM violations"
             ).fetchone()
             total += n * _VIOLATION_ROW_OVERHEAD
-            if total <= size or n <= _FIRST_VIOLATIONS:
+            if total <= size or n <= FIRST_VIOLATIONS_KEPT:
                 return False
-            excess = min(n - _FIRST_VIOLATIONS, -(-(total - size) * n // total))  # rows of the average size
+            excess = min(n - FIRST_VIOLATIONS_KEPT, -(-(total - size) * n // total))  # rows of the average size
         if excess <= 0:
             return False
         conn.execute("BEGIN")
         try:
             gone = conn.execute(
                 "DELETE FROM violations WHERE seq IN (SELECT seq FROM violations ORDER BY seq LIMIT ? OFFSET ?)",
-                (excess, _FIRST_VIOLATIONS),
+                (excess, FIRST_VIOLATIONS_KEPT),
             ).rowcount
             self._violations_dropped += gone
             conn.execute(

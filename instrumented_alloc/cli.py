@@ -356,9 +356,11 @@ def _check(args: argparse.Namespace) -> int:
     print(f"{len(violations)} violations of {len(by_id)} invariants in {label}")
     dropped = int(meta.get("violations_dropped") or 0)
     if dropped:
+        from exporters.recorder import FIRST_VIOLATIONS_KEPT
+
         print(
-            f"  and {dropped} more that retention deleted (the run's first 100 and the newest are kept; "
-            "the counts below are of those kept)"
+            f"  and {dropped} more that retention deleted (the run's first {FIRST_VIOLATIONS_KEPT} and the newest are "
+            "kept; the counts below are of those kept)"
         )
     rows = [("invariant", "count", "first step", "first request", "severity")]
     for inv, vs in sorted(by_id.items(), key=lambda kv: (kv[1][0].step, kv[0])):

@@ -950,16 +950,8 @@ class InstrumentedAllocator:
             def verify(o):
                 if ps == 1:
                     self._report(pool.shadow.on_alloc(o, -1, None, got, op), pool_name, op)
-                    return
-                starts = o[::ps]
-                if (starts % ps).any():
-                    self._violate(
-                        "slot_page_alignment",
-                        f"{op} returned a page not starting at a page boundary: slots {starts[:4].tolist()}",
-                        op=op,
-                        pool=pool_name,
-                    )
-                self._report(pool.shadow.on_alloc(starts // ps, -1, None, got // ps, op), pool_name, op)
+                else:
+                    self._alloc_pages_check(pool, o, -1, got, op)
 
             self._slot_tier(verify, out)
             if st.want_alloc:
@@ -967,6 +959,20 @@ class InstrumentedAllocator:
                 st.events.append(_B_ALLOC(seq, st.clock(), st.step, op, pool_name, got, got // ps, (), dt))
             self._finish()
             return out
+
+    def _alloc_pages_check(self, pool: _Pool, slots: np.ndarray, own, got: int, op: str) -> None:
+        """A plain ``alloc`` of ``got`` slots at page size > 1 (host ``slots``): whole pages from their first slot,
+        handed out to ``own`` (owner code per page, or -1), mirrored in ``pool``'s shadow."""
+        ps = self._w_ps
+        starts = slots[::ps]
+        if (starts % ps).any():
+            self._violate(
+                "slot_page_alignment",
+                f"{op} returned a page not starting at a page boundary: slots {starts[:4].tolist()}",
+                op=op,
+                pool=pool.name,
+            )
+        self._report(pool.shadow.on_alloc(starts // ps, own, None, got // ps, op), pool.name, op)
 
     def _w_sub_free(self, attr: str, pool_name: str, method: str, index, start_pos):
         """``<attr>.<method>`` (``free``, ``free_segment``, ``free_page_ids``) through its view: checked (the
@@ -1389,15 +1395,7 @@ class InstrumentedAllocator:
             else:
 
                 def verify(o, s=None):
-                    starts = o[::ps]
-                    if (starts % ps).any():
-                        self._violate(
-                            "slot_page_alignment",
-                            f"alloc returned a page not starting at a page boundary: slots {starts[:4].tolist()}",
-                            op=op,
-                            pool="full",
-                        )
-                    self._report(full.shadow.on_alloc(starts // ps, own, None, got // ps, op), "full", op)
+                    self._alloc_pages_check(full, o, own, got, op)
 
             self._host_alloc_ledger(op, grow)
             if self._w_st.swa is not None:
