@@ -82,6 +82,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mmap
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from exporters import mpclaims
 from instrumented_alloc import INVARIANTS, stats
 from instrumented_alloc import events as ev
 
@@ -415,8 +416,16 @@ class PrometheusExporter:
         self._pub_obs: dict = {}  # op or _PEAK -> the counts per bucket last published
         self._aggregate = not self.multiprocess
         self._mp_space: _MpSpace | None = None
+        self._claim: mpclaims.Claim | None = None
+        self._serve_claim: mpclaims.Claim | None = None
+        # Multiprocess mode: refreshes owed to an idle engine (see _trailing_refresher).
+        self._dirty = False
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
         try:
             if self.multiprocess:
+                # Before any series is written: a label set another live exporter writes would be merged with it.
+                self._claim = mpclaims.claim(self._mp_dir, "labels", self._const, self)
                 modes = sorted({mode for *_, mode in _GAUGES})
                 self._mp_space = _MpSpace(self._mp_dir, ("counter", "histogram", *(f"gauge_{m}" for m in modes)))
                 self._mp_space.reserve()  # metrics without labels write their series as they are built
@@ -433,6 +442,8 @@ class PrometheusExporter:
                 self._registered.append(self._collector)
         except BaseException:
             self._unregister()  # e.g. a name clash in a shared registry: leave it as it was
+            if self._claim is not None:
+                self._claim.release()
             raise
 
         self._handlers = {
@@ -452,6 +463,11 @@ class PrometheusExporter:
             self._tot_obs[_PEAK] = self._new_running(REQUEST_PAGES_BUCKETS, self._peak_child)
         self.sink = _Sink.build(self)
         alloc.subscribe(self.sink)
+        if self.multiprocess:
+            self._refresher = threading.Thread(
+                target=self._trailing_refresher, name="kvalloc-prometheus-refresh", daemon=True
+            )
+            self._refresher.start()
 
     # -- metric construction --------------------------------------------------------------------------------------
     def _metric(self, cls, name: str, doc: str, labels: tuple, **kw):
@@ -535,6 +551,7 @@ class PrometheusExporter:
         """Multiprocess sink (and single-process without the histogram internals): each event's handler updates
         the metric children at once."""
         try:
+            self._dirty = True  # the gauges may be behind now (see _trailing_refresher)
             handlers = self._handlers
             for e in batch:
                 h = handlers.get(type(e))
@@ -684,6 +701,7 @@ class PrometheusExporter:
             return
         try:
             self._last_refresh = self._clock()
+            self._dirty = False  # before the snapshot: a change made while it is taken is owed again
             fig = stats.figures(self._alloc.snapshot(wait=False))
             # A refresh may write a series for the first time (a new sink's dropped count): reserve first. Once
             # per refresh (rate-limited): a few system calls per file, a no-op while the space is there.
@@ -702,6 +720,22 @@ class PrometheusExporter:
         finally:
             self._refresh_lock.release()
 
+    def _trailing_refresher(self) -> None:
+        """Multiprocess mode, a daemon thread: the refresh the rate limit held back. A step boundary within
+        ``refresh_interval`` of the last refresh leaves the gauges behind, and so does any call after the last
+        step (the releases that end a burst); an engine that then goes idle calls nothing that would refresh them,
+        and they would show the busy state for as long as it stays idle. This wakes every ``refresh_interval``
+        (at least 50 ms) and refreshes once the interval has passed on ``clock`` if an event came in since the
+        last refresh. ``refresh()`` takes the wrapper's lock for the snapshot, as the engine's own refresh does,
+        at most once per interval; failures are kept in ``last_error``."""
+        period = max(self.refresh_interval, 0.05)
+        while not self._stop.wait(period):
+            if self._dirty and self._clock() - self._last_refresh >= self.refresh_interval:
+                try:
+                    self.refresh()
+                except Exception as exc:  # the next event re-arms it; the engine never sees this thread's errors
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+
     # -- HTTP ----------------------------------------------------------------------------------------------
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serve /metrics (text format, or OpenMetrics when the scraper asks for it) on ``addr:port``; returns the
@@ -715,11 +749,16 @@ class PrometheusExporter:
             if self.multiprocess:
                 reg = CollectorRegistry()
                 MultiProcessCollector(reg, path=self._mp_dir)
+                # Every process's metrics are served from here: a second server would expose each rank twice.
+                self._serve_claim = mpclaims.claim(self._mp_dir, "serve", None, self)
             else:
                 reg = self.registry
             try:
                 httpd, thread = start_http_server(int(port), addr=addr, registry=reg)
             except OSError as exc:
+                if self._serve_claim is not None:
+                    self._serve_claim.release()
+                    self._serve_claim = None
                 if exc.errno == errno.EADDRINUSE:
                     raise OSError(errno.EADDRINUSE, f"metrics port {port} on {addr} is already in use") from exc
                 raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
@@ -738,6 +777,13 @@ class PrometheusExporter:
                 except Exception as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
             self._closed = True
+            self._stop.set()
+            if self._refresher is not None and self._refresher is not threading.current_thread():
+                self._refresher.join(timeout=5)
+            if self._serve_claim is not None:
+                self._serve_claim.release()
+            if self._claim is not None:
+                self._claim.release(keep_file=True)  # see mpclaims: our gauges stay until this process exits
             httpd, self._httpd = self._httpd, None
             if httpd is not None:
                 httpd.shutdown()

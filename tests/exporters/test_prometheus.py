@@ -541,6 +541,259 @@ def test_multiprocess_histograms_of_an_swa_run(tmp_path):
     }
 
 
+# One rank for the claim tests: its own wrapper and exporter in multiprocess mode; argv: directory, tp_rank,
+# requests of 2 pages to hold, then flags. Prints READY <pid> [port] once refreshed, then follows commands on stdin
+# ("serve", "close", "exit"; end of input: exit without closing, as a killed rank).
+RANK = r"""
+import json, os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from tests.engine_model import Req, extend_args, split_extend
+from exporters.mpclaims import ClaimError
+from exporters.prometheus import PrometheusExporter
+
+tp, n = sys.argv[2], int(sys.argv[3])
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+try:
+    exp = PrometheusExporter(w, const_labels={"engine": "e0", "tp_rank": tp}, refresh_interval=0.0)
+except ClaimError as exc:
+    print("CLAIM " + str(exc), flush=True)
+    sys.exit(0)
+reqs = [Req(f"r{i}") for i in range(n)]
+if reqs:
+    with w.batch([r.rid for r in reqs]):
+        split_extend(reqs, [8] * n, w.alloc_extend(*extend_args(reqs, [8] * n)))
+w.step()
+print("READY", os.getpid(), flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "serve":
+        try:
+            print("PORT", exp.serve(), flush=True)
+        except ClaimError as exc:
+            print("CLAIM " + str(exc), flush=True)
+    elif cmd == "close":
+        exp.close()
+        print("CLOSED", flush=True)
+    elif cmd == "exit":
+        break
+"""
+
+
+class _Rank:
+    """A RANK child process, driven line by line."""
+
+    def __init__(self, mp_dir, tp: str, n: int):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", RANK, str(mp_dir), tp, str(n)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.first = self.read()
+        self.pid = self.p.pid
+
+    def read(self) -> str:
+        line = self.p.stdout.readline().strip()
+        assert line, self.p.stderr.read()[-3000:]
+        return line
+
+    def send(self, cmd: str) -> str:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def end(self, cmd: str = "exit") -> None:
+        if cmd == "kill":
+            self.p.kill()
+        else:
+            self.p.stdin.write(cmd + "\n")
+            self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
+def _pages(mp_dir, tp: str) -> dict:
+    return {dict(lab)["state"]: v for lab, v in _find(_mp_samples(mp_dir), "kvalloc_pages", tp_rank=tp).items()}
+
+
+def test_multiprocess_label_set_of_a_live_rank_is_refused(tmp_path):
+    # Two live ranks given the same labels (both think they are tp_rank 0) were merged without a word: pages by
+    # state summed to twice the capacity.
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    a = _Rank(mp_dir, "0", 2)
+    assert a.first == f"READY {a.pid}"
+    b = _Rank(mp_dir, "0", 3)
+    assert b.first == (
+        f"CLAIM multiprocess metrics in {mp_dir}: const_labels {{'engine': 'e0', 'tp_rank': '0'}} already used by "
+        f"live process {a.pid} (its gauges stay in the directory until it exits, even after its exporter closed); "
+        "every process (rank) needs its own const_labels (engine, tp_rank, dp_rank, ...)"
+    )
+    b.p.wait(timeout=60)
+    assert _pages(mp_dir, "0") == {"free": 12.0, "used": 4.0, "staged": 0.0, "reserved": 1.0}  # a's alone
+    c = _Rank(mp_dir, "1", 1)  # another label set is fine
+    assert c.first == f"READY {c.pid}"
+    assert a.send("close") == "CLOSED"
+    # Closed, a's gauges still stand in the directory while it lives: the label set is still refused.
+    d = _Rank(mp_dir, "0", 1)
+    assert d.first.startswith(f"CLAIM multiprocess metrics in {mp_dir}: const_labels")
+    for r in (a, c):
+        r.end()
+
+
+def test_multiprocess_restarted_rank_takes_over_its_dead_predecessor(tmp_path):
+    # A rank killed without cleanup and restarted with its labels: its predecessor's gauges used to be summed with
+    # the new process's until a supervisor called mark_process_dead; the new exporter now does it.
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    old = _Rank(mp_dir, "1", 3)
+    other = _Rank(mp_dir, "0", 1)
+    old.end("kill")
+    new = _Rank(mp_dir, "1", 1)
+    assert new.first == f"READY {new.pid}"
+    assert _pages(mp_dir, "1") == {"free": 14.0, "used": 2.0, "staged": 0.0, "reserved": 1.0}  # capacity 17
+    assert _pages(mp_dir, "0") == {"free": 14.0, "used": 2.0, "staged": 0.0, "reserved": 1.0}  # untouched
+    s = _mp_samples(mp_dir)
+    # The dead rank's counters keep counting into the sums: 3 * 2 pages, then 1 * 2.
+    assert _find(s, "kvalloc_pages_allocated_total", tp_rank="1") == {
+        (("engine", "e0"), ("pool", "full"), ("tp_rank", "1")): 8.0
+    }
+    # A rank that exited cleanly is taken over the same way.
+    new.end("close")
+    again = _Rank(mp_dir, "1", 0)
+    assert again.first == f"READY {again.pid}"
+    assert _pages(mp_dir, "1")["used"] == 0.0
+    for r in (other, again):
+        r.end()
+
+
+def test_multiprocess_one_server_per_directory(tmp_path):
+    # Each serve() exposes every rank of the directory: two servers, both scraped, doubled every sum.
+    mp_dir = tmp_path / "mp"
+    mp_dir.mkdir()
+    a, b = _Rank(mp_dir, "0", 1), _Rank(mp_dir, "1", 1)
+    port = int(a.send("serve").split()[1])
+    assert b.send("serve") == (
+        f"CLAIM multiprocess metrics in {mp_dir}: already served by live process {a.pid}; every process's metrics "
+        "are served from one endpoint per directory (serve() from one rank, or from the parent with a "
+        "MultiProcessCollector)"
+    )
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    assert 'kvalloc_pages{engine="e0",pool="full",state="used",tp_rank="1"} 2.0' in body
+    assert a.send("close") == "CLOSED"
+    assert b.send("serve").startswith("PORT ")  # the directory's server is gone: b may serve it now
+    for r in (a, b):
+        r.end()
+
+
+def test_multiprocess_claims_within_one_process(tmp_path):
+    # Two allocators in one process (two DP ranks of one scheduler) given the same labels overwrote each other's
+    # counter entries: increments were lost.
+    child = r"""
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.mpclaims import ClaimError
+from exporters.prometheus import PrometheusExporter
+
+def wrapped():
+    return InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+
+lab = {"engine": "e0", "dp_rank": "0"}
+w1, w2 = wrapped(), wrapped()
+x1 = PrometheusExporter(w1, const_labels=lab, refresh_interval=0.0)
+try:
+    PrometheusExporter(w2, const_labels=lab, refresh_interval=0.0)
+except ClaimError as exc:
+    print("CLAIM " + str(exc))
+print("SINKS", len(w2.bus.sinks))
+x2 = PrometheusExporter(w2, const_labels={"engine": "e0", "dp_rank": "1"}, refresh_interval=0.0)
+x1.serve()
+try:
+    x2.serve()
+except ClaimError as exc:
+    print("CLAIM " + str(exc))
+for w in (w1, w2):
+    s = w.alloc(8)
+    w.free(s)
+    w.free(s)
+    w.step()
+x1.close()
+x3 = PrometheusExporter(wrapped(), const_labels=lab, refresh_interval=0.0)  # closed in this process: taken over
+print("PORT", x2.serve() > 0)
+x2.close(); x3.close()
+"""
+    mp_dir, p = _one_rank(tmp_path, child)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pid = p.stdout.split("pid ")[1].split(")")[0]
+    assert p.stdout.splitlines() == [
+        f"CLAIM multiprocess metrics in {mp_dir}: const_labels {{'engine': 'e0', 'dp_rank': '0'}} already used by "
+        f"another exporter of this process (pid {pid}); every allocator needs its own const_labels (engine, "
+        "tp_rank, dp_rank, ...)",
+        "SINKS 0",
+        f"CLAIM multiprocess metrics in {mp_dir}: already served by another exporter of this process (pid {pid}); "
+        "serve one endpoint per directory",
+        "PORT True",
+    ]
+    s = _mp_samples(mp_dir)
+    assert {dict(lab)["dp_rank"]: v for lab, v in _find(s, "kvalloc_pages_allocated_total").items()} == {
+        "0": 2.0,
+        "1": 2.0,
+    }
+    dbl = _find(s, "kvalloc_invariant_violations_total", invariant="double_free")
+    assert {dict(lab)["dp_rank"]: v for lab, v in dbl.items()} == {"0": 1.0, "1": 1.0}
+
+
+TRAILING_CHILD = r"""
+import json, os, sys, time
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.prometheus import PrometheusExporter
+
+now = [100.0]
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+exp = PrometheusExporter(w, const_labels={"engine": "e0"}, refresh_interval=0.1, clock=lambda: now[0])
+lab = {"engine": "e0", "pool": "full", "state": "used"}
+def used():
+    return exp.registry.get_sample_value("kvalloc_pages", lab)
+with w.batch(["a"]):
+    w.alloc(8)
+w.step()  # within the interval of the construction's refresh: held back
+out = {"held_back": used()}
+time.sleep(0.5)
+out["clock_still"] = used()  # no time has passed on the exporter's clock: still held back
+now[0] += 1.0  # the interval passes; the engine is idle (no more steps)
+deadline = time.monotonic() + 20
+while used() != 2.0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+out["trailing"] = used()
+out["live"] = exp.registry.get_sample_value("kvalloc_requests_live", {"engine": "e0"})
+exp.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_multiprocess_gauges_catch_up_when_the_engine_goes_idle(tmp_path):
+    # A step within refresh_interval of the last refresh is held back; an engine that then goes idle calls nothing
+    # that would refresh: the gauges showed the old state for as long as it stayed idle.
+    _, p = _one_rank(tmp_path, TRAILING_CHILD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.split("RESULT ")[1])
+    assert r == {"held_back": 0.0, "clock_still": 0.0, "trailing": 2.0, "live": 1.0}
+
+
 def test_multiprocess_needs_the_directory(monkeypatch):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
