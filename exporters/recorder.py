@@ -27,7 +27,8 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
   existing recording at ``path`` is replaced only with ``overwrite=True``; any other existing file is never
-  replaced.
+  replaced. Two writers started at once on one path: one records, the other gets ``RecorderError`` (the file is
+  created with ``O_EXCL`` and ``flock``-ed until its first commit; see ``_claim_path``).
 - Ordering: events are written in ``seq`` order, each batch and its snapshot in one transaction. A violation is
   committed as soon as it is written; other events are committed every ``flush_interval`` seconds or every
   ``_COMMIT_ROWS`` rows, whichever comes first. Durability: ``synchronous=NORMAL``: a killed process loses nothing
@@ -79,6 +80,7 @@ import bisect
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
 import logging
@@ -1036,6 +1038,61 @@ class _Tally:
         self.n = 0
 
 
+def _claim_path(path: str, overwrite: bool) -> int:
+    """The file at ``path``, made ours: returns an open descriptor holding an exclusive ``flock`` on it, which the
+    constructor keeps until the file is a complete recording (schema, metadata, first snapshot committed).
+
+    Why a lock: two writers started at once on one path (two ranks given the same file name) must not both
+    "create" it, and neither may delete the file the other is filling (an empty file looks like one a dead writer
+    left). So the file is created with ``O_EXCL``; an existing one is locked (without waiting: held means another
+    writer is creating it right now, a clear error) before it is judged: empty (left by a writer that died before
+    its first commit, or touched): filled in place; a recording: an error, or with ``overwrite`` removed and
+    created anew; anything else: an error. The lock is ``flock``, which is independent of SQLite's own ``fcntl``
+    locks, so readers and the writer's connection are not affected by it."""
+
+    def fail(why: str) -> RecorderError:
+        return RecorderError(f"cannot write flight recording {path!r}: {why}")
+
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fresh = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # removed in between: try to create it again
+            fresh = False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise fail("another writer is creating a recording there right now") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)  # replaced by another writer between our open and our lock: look again
+                continue
+            if fresh or os.fstat(fd).st_size == 0:
+                for suffix in ("-wal", "-shm"):  # a WAL left by an older file at this path would be replayed into ours
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path + suffix)
+                return fd
+            if not _is_recording(path):
+                raise fail("the file exists and is not a recording")
+            if not overwrite:
+                raise fail("a recording exists there (pass overwrite=True)")
+            _remove_recording(path)  # ours to replace: we hold its lock, so no other writer is filling it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        os.close(fd)
+    raise fail("the file kept changing while it was being created (several writers on one path?)")
+
+
 def _is_recording(path: str) -> bool:
     """Whether ``path`` holds a flight recording (of any format version: ``overwrite=True`` may replace it)."""
     try:
@@ -1137,24 +1194,30 @@ class FlightRecorder:
         self._kindsets: set = set()  # the kinds bit sets already in table kindsets
         self._new_kindsets: list = []
 
-        self._conn = self._create(overwrite, meta)
+        self._path_lock: int | None = None  # see _claim_path: held until the file is a complete recording
         try:
-            alloc.subscribe(self)
+            self._conn = self._create(overwrite, meta)
             try:
-                snaps = alloc.snapshot()
-                self._conn.execute("BEGIN")
-                self._write_snapshot(int(alloc.step_count), 0, snaps)
-                self._conn.execute("COMMIT")
-                self._file = _file_id(self.path)
-            except BaseException:
-                alloc.unsubscribe(self)
+                alloc.subscribe(self)
+                try:
+                    snaps = alloc.snapshot()
+                    self._conn.execute("BEGIN")
+                    self._write_snapshot(int(alloc.step_count), 0, snaps)
+                    self._conn.execute("COMMIT")
+                    self._file = _file_id(self.path)
+                except BaseException:
+                    alloc.unsubscribe(self)
+                    raise
+            except BaseException as exc:
+                self._conn.close()
+                _remove_recording(self.path)  # ours since _create: a half-made file would block the path for good
+                if isinstance(exc, (sqlite3.Error, OSError)):
+                    raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
                 raise
-        except BaseException as exc:
-            self._conn.close()
-            _remove_recording(self.path)  # ours since _create: a half-made file would block the path for good
-            if isinstance(exc, (sqlite3.Error, OSError)):
-                raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
-            raise
+        finally:
+            if self._path_lock is not None:
+                os.close(self._path_lock)  # releases the flock
+                self._path_lock = None
         lost = self._lost
         alloc.bus.add_loss_counter(SINK_NAME, lambda: lost.n)
         self._thread = threading.Thread(target=self._writer, name=f"flight-recorder:{self.path}", daemon=True)
@@ -1166,18 +1229,15 @@ class FlightRecorder:
         path = self.path
         if os.path.isdir(path):
             raise RecorderError(f"cannot write flight recording {path!r}: it is a directory")
-        if os.path.exists(path) and os.path.getsize(path) > 0:
-            if not _is_recording(path):
-                raise RecorderError(f"cannot write flight recording {path!r}: the file exists and is not a recording")
-            if not overwrite:
-                raise RecorderError(
-                    f"cannot write flight recording {path!r}: a recording exists there (pass overwrite=True)"
-                )
-        if overwrite or (os.path.exists(path) and os.path.getsize(path) == 0):
-            _remove_recording(path)
+        try:
+            self._path_lock = _claim_path(path, overwrite)
+        except OSError as exc:
+            if isinstance(exc, RecorderError):
+                raise
+            raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
         alloc = self._alloc
-        # From here on the file at ``path`` is ours (absent, empty, or a recording we were allowed to replace):
-        # a failure removes what it left.
+        # From here on the file at ``path`` is ours (created, empty, or a recording we were allowed to replace, and
+        # locked until the constructor returns): a failure removes what it left.
         try:
             conn = _open_writer(path)
         except (sqlite3.Error, OSError) as exc:

@@ -761,6 +761,95 @@ def test_a_failed_construction_leaves_no_file_behind(tmp_path, monkeypatch, stag
         assert r.steps() == (0, 0)
 
 
+def test_a_path_another_writer_is_creating_is_refused_and_kept(tmp_path):
+    # Another writer has just created the file and is filling it (it holds the path's creation lock, as
+    # FlightRecorder does until its first commit): the file is still empty, which used to read as "left by a dead
+    # writer" and was removed, unlinking the other writer's file under it.
+    import fcntl
+
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "r.db"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        ino = os.fstat(fd).st_ino
+        sinks_before = e.w.bus.sinks
+        for overwrite in (False, True):
+            with pytest.raises(RecorderError) as info:
+                FlightRecorder(e.w, path, overwrite=overwrite)
+            assert str(info.value) == (
+                f"cannot write flight recording {str(path)!r}: another writer is creating a recording there right now"
+            )
+        assert os.stat(path).st_ino == ino and path.stat().st_size == 0  # the other writer's file, untouched
+        assert e.w.bus.sinks == sinks_before
+    finally:
+        os.close(fd)
+    # Unlocked, an empty file is one a writer left before its first commit: filled in place.
+    with FlightRecorder(e.w, path):
+        e.w.step()
+    assert os.stat(path).st_ino == ino
+    with Recording(path) as r:
+        assert r.steps() == (0, 1)
+
+
+RACE_CHILD = r"""
+import os, sys, time
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.recorder import FlightRecorder, RecorderError
+
+path, rank, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"))
+while time.time() < start:
+    pass
+try:
+    rec = FlightRecorder(w, path, meta={"rank": rank})
+except RecorderError as exc:
+    print("REFUSED " + str(exc))
+    sys.exit(0)
+for i in range(5):
+    with w.batch([f"r{i}"]):
+        w.alloc(4)
+    w.step()
+rec.close()
+print("RECORDED")
+"""
+
+
+def test_two_writers_started_at_once_on_one_path(tmp_path):
+    # Two ranks given the same file name, started together: exactly one records, the other gets a clear error, and
+    # the file is the winner's complete recording (before: in about half the trials both failed with "disk I/O
+    # error" / "readonly database" and no file was left, or the loser deleted the winner's file).
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for trial in range(3):
+        path = tmp_path / f"run-{trial}.sqlite"
+        start = time.time() + 4.0  # both children have imported torch by then
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACE_CHILD, str(path), str(rank), str(start)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(out.strip())
+        assert sorted(o.split(" ")[0] for o in outs) == ["RECORDED", "REFUSED"], outs
+        refusal = next(o for o in outs if o.startswith("REFUSED"))
+        assert refusal.endswith(
+            ("another writer is creating a recording there right now", "a recording exists there (pass overwrite=True)")
+        ), refusal
+        winner = outs.index("RECORDED")
+        with Recording(path) as r:
+            assert r.meta["rank"] == winner and r.steps() == (0, 5)
+
+
 def test_corrupt_values_are_a_clear_error(tmp_path):
     # A file whose rows hold what the recorder never writes (text where a step number or a JSON document belongs):
     # the readers' aggregates raise RecordingError naming the file, as the rest of the reader does.
