@@ -6,8 +6,14 @@ Contract
 - ``build()`` returns the SDK's ``Dashboard`` model; ``render()`` its JSON text, byte for byte what is committed
   (deterministic: no timestamps, explicit panel ids).
 - Targets Grafana 11.6 (the SDK is pinned to its 11.6 epoch in pyproject.toml). Every query reads only metrics of
-  DESIGN.md's catalog and filters on the template variables ``engine`` and ``instance``; ``datasource`` selects
-  the Prometheus data source. Every panel has a description that says what a bad value means.
+  DESIGN.md's catalog and filters on the template variables ``engine``, ``instance``, ``tp_rank`` and ``dp_rank``;
+  ``datasource`` selects the Prometheus data source. Every panel has a description that says what a bad value means.
+- Ranks: the rank variables are the exporter's documented rank const labels (``RANK_LABELS``), which tell apart the
+  scheduler processes (ranks) behind one /metrics endpoint in multiprocess mode. Panels whose meaning is one
+  allocator's state (occupancy, used share, live requests, fragmentation, free runs, SWA window, anything with a
+  threshold or an alert behind it) have one series per rank (grouped by ``RANK``, legend ``RANK_LEGEND``), never a
+  sum over ranks: a full rank next to an empty one must not read as half full. Rates of events, histograms, the
+  violation count and the page size stay aggregates over the selected ranks.
 """
 
 from __future__ import annotations
@@ -32,9 +38,17 @@ UID = "kvalloc-allocator"
 GRAFANA_VERSION = "11.6"
 
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Every query's label filter: the engine and instance template variables. Both default to All (regex .*), which
-# also matches series that carry no engine label (a single-engine deployment without const labels).
-SEL = 'engine=~"$engine", instance=~"$instance"'
+# The rank const labels the exporter documents (exporters/prometheus.py, DESIGN.md "At scale"): in multiprocess
+# mode every rank of an engine sits behind one instance and only these labels tell the ranks apart.
+RANK_LABELS = ("tp_rank", "dp_rank")
+# Every query's label filter: the engine, instance and rank template variables. All default to All (regex .*),
+# which also matches series that carry no such label (one engine or one rank without const labels).
+SEL = 'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank", dp_rank=~"$dp_rank"'
+# One rank is one scheduler process, i.e. one allocator: the labels that identify it. Per-rank panels group by all
+# of them (summing two engines' or two instances' tp_rank 0 would be the same mistake as summing two ranks).
+RANK = "engine, instance, tp_rank, dp_rank"
+# The legend of a per-rank series (a label the series lacks renders empty: "tp= dp=" for a process without ranks).
+RANK_LEGEND = "{{engine}} tp={{tp_rank}} dp={{dp_rank}} ({{instance}})"
 
 
 def sel(extra: str = "") -> str:
@@ -115,6 +129,26 @@ def rate(metric: str, extra: str = "", by: str = "") -> str:
     return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
 
 
+def rank_variable(name: str, label: str, chain: str, what: str):
+    """A rank template variable: the values of the const label ``name`` among the series the variables before it
+    select; All (regex .*) also matches series without the label (a process exported without rank labels)."""
+    return (
+        dash.QueryVariable(name)
+        .label(label)
+        .description(
+            f"The {name} const label of the exporter ({what}; all by default). Ranks that share one /metrics "
+            "endpoint (multiprocess mode) differ only by their rank labels."
+        )
+        .datasource(DS)
+        .query(f"label_values(kvalloc_page_size_tokens{{{chain}}}, {name})")
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dm.VariableSort.NUMERICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+    )
+
+
 def build() -> dm.Dashboard:
     b = (
         dash.Dashboard("KV-cache allocator (instrumented-alloc)")
@@ -154,6 +188,17 @@ def build() -> dm.Dashboard:
             .include_all(True)
             .all_value(".*")
         )
+        .with_variable(
+            rank_variable("tp_rank", "TP rank", 'engine=~"$engine", instance=~"$instance"', "tensor-parallel rank")
+        )
+        .with_variable(
+            rank_variable(
+                "dp_rank",
+                "DP rank",
+                'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank"',
+                "data-parallel rank",
+            )
+        )
     )
 
     # -- occupancy ------------------------------------------------------------------------------------------
@@ -161,10 +206,12 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Pages by state, per pool",
-            "Pages of each pool by state (free, used, staged, reserved); the states of a pool add up to its "
-            "capacity. Bad: free pages near zero for long (requests get retracted or refused), or used pages that "
-            "stay up while live requests drop to zero (a leak; see the leak alert).",
-            [q(f"sum by (pool, state) (kvalloc_pages{sel()})", "{{pool}} {{state}}")],
+            "Pages of each pool by state (free, used, staged, reserved), one series per rank: the states of one "
+            "rank's pool add up to its capacity (with several ranks selected the stack is their total; select one "
+            "rank to see its own). Bad: a rank's free pages near zero for long (requests get retracted or "
+            "refused), or used pages that stay up while that rank's live requests drop to zero (a leak; see the "
+            "leak alert).",
+            [q(f"sum by ({RANK}, pool, state) (kvalloc_pages{sel()})", "{{pool}} {{state}}, " + RANK_LEGEND)],
             w=10,
             stack=True,
         )
@@ -172,11 +219,13 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         stat_panel(
             "Used pages, per pool",
-            "Used pages / capacity of each pool, now. Bad: close to 100% (the next prefill waits or is retracted).",
+            "Used pages / capacity of each pool of each rank, now (never averaged over ranks: one full rank "
+            "next to an empty one is 100% and 0%, not 50%). Bad: close to 100% (that rank's next prefill waits or "
+            "is retracted).",
             [
                 q(
-                    f"sum by (pool) (kvalloc_pages{USED}) / sum by (pool) (kvalloc_pages{sel()})",
-                    "{{pool}}",
+                    f"sum by ({RANK}, pool) (kvalloc_pages{USED}) / sum by ({RANK}, pool) (kvalloc_pages{sel()})",
+                    "{{pool}}, " + RANK_LEGEND,
                 )
             ],
             unit="percentunit",
@@ -187,9 +236,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Live requests",
-            "Requests that hold KV. Bad: zero while pages stay used (a leak), or a climb with no matching drop "
-            "(requests never released).",
-            [q(f"sum(kvalloc_requests_live{sel()})", "live requests")],
+            "Requests that hold KV, per rank. Bad: zero on a rank while its pages stay used (a leak), or a climb "
+            "with no matching drop (requests never released).",
+            [q(f"sum by ({RANK}) (kvalloc_requests_live{sel()})", RANK_LEGEND)],
             w=5,
             min=0,
         )
@@ -206,8 +255,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Page churn",
-            "Pages handed out and released per second, per pool. Bad: allocated persistently above freed while "
-            "traffic is flat (pages are not coming back).",
+            "Pages handed out and released per second, per pool, summed over the selected ranks (select one rank "
+            "to see its own). Bad: allocated persistently above freed while traffic is flat (pages are not coming "
+            "back).",
             [
                 q(rate("kvalloc_pages_allocated_total", by="pool"), "{{pool}} allocated"),
                 q(rate("kvalloc_pages_freed_total", by="pool"), "{{pool}} freed", "B"),
@@ -222,10 +272,10 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Internal fragmentation",
-            "1 - committed tokens / allocated slots of live requests, per pool: slots paid for but not holding a "
-            "token yet (partly filled last pages, prealloc). Bad: high and rising (over-reservation; a larger page "
-            "size or prealloc than the traffic needs).",
-            [q(f"max by (pool) (kvalloc_internal_fragmentation_ratio{sel()})", "{{pool}}")],
+            "1 - committed tokens / allocated slots of live requests, per pool and rank: slots paid for but not "
+            "holding a token yet (partly filled last pages, prealloc). Bad: high and rising (over-reservation; a "
+            "larger page size or prealloc than the traffic needs).",
+            [q(f"max by ({RANK}, pool) (kvalloc_internal_fragmentation_ratio{sel()})", "{{pool}}, " + RANK_LEGEND)],
             unit="percentunit",
             w=6,
             min=0,
@@ -235,10 +285,10 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "External fragmentation",
-            "1 - largest free run / free pages, per pool (0 when nothing is free). Bad: above 0.5 for long (the "
-            "free pages are scattered: contiguous allocations or kernels that prefer runs suffer; the "
-            "fragmentation alert fires after 15 minutes).",
-            [q(f"max by (pool) (kvalloc_external_fragmentation_ratio{sel()})", "{{pool}}")],
+            "1 - largest free run / free pages, per pool and rank (0 when nothing is free). Bad: above 0.5 for "
+            "long (the free pages are scattered: contiguous allocations or kernels that prefer runs suffer; the "
+            "fragmentation alert fires for that rank after 15 minutes).",
+            [q(f"max by ({RANK}, pool) (kvalloc_external_fragmentation_ratio{sel()})", "{{pool}}, " + RANK_LEGEND)],
             unit="percentunit",
             w=6,
             min=0,
@@ -248,9 +298,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Free runs",
-            "Maximal runs of consecutive free pages, per pool. Bad: many runs while the largest run is short "
-            "(free space chopped into small pieces).",
-            [q(f"sum by (pool) (kvalloc_free_runs{sel()})", "{{pool}}")],
+            "Maximal runs of consecutive free pages, per pool and rank. Bad: many runs while the largest run is "
+            "short (free space chopped into small pieces).",
+            [q(f"sum by ({RANK}, pool) (kvalloc_free_runs{sel()})", "{{pool}}, " + RANK_LEGEND)],
             w=6,
             min=0,
         )
@@ -258,9 +308,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Largest free run",
-            "The longest run of consecutive free pages, per pool. Bad: far below the free page count (see "
-            "external fragmentation), or below the pages one prefill chunk needs.",
-            [q(f"max by (pool) (kvalloc_largest_free_run_pages{sel()})", "{{pool}}")],
+            "The longest run of consecutive free pages, per pool and rank. Bad: far below that rank's free page "
+            "count (see external fragmentation), or below the pages one prefill chunk needs.",
+            [q(f"max by ({RANK}, pool) (kvalloc_largest_free_run_pages{sel()})", "{{pool}}, " + RANK_LEGEND)],
             w=6,
             min=0,
         )
@@ -271,10 +321,10 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "SWA evicted tokens",
-            "Tokens evicted from the SWA pool per second (they left the sliding window). Bad: zero while tokens "
-            "outside the window grow (eviction stalled: the SWA pool fills with KV no layer reads). Always zero "
-            "for dense models.",
-            [q(f"sum(rate(kvalloc_swa_evicted_tokens_total{sel()}[$__rate_interval]))", "evicted tokens/s")],
+            "Tokens evicted from the SWA pool per second (they left the sliding window), per rank. Bad: zero on a "
+            "rank while its tokens outside the window grow (eviction stalled: the SWA pool fills with KV no layer "
+            "reads). Always zero for dense models.",
+            [q(f"sum by ({RANK}) (rate(kvalloc_swa_evicted_tokens_total{sel()}[$__rate_interval]))", RANK_LEGEND)],
             unit="short",
             w=12,
             min=0,
@@ -283,10 +333,10 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Tokens outside the window",
-            "Tokens that still hold SWA KV though they are outside the sliding window (evictable). Bad: growing "
-            "without evictions (the SWA outside-window alert), or large compared with the SWA pool. Always zero "
-            "for dense models.",
-            [q(f"sum(kvalloc_swa_outside_window_tokens{sel()})", "outside-window tokens")],
+            "Tokens that still hold SWA KV though they are outside the sliding window (evictable), per rank. Bad: "
+            "growing without evictions on that rank (the SWA outside-window alert), or large compared with the SWA "
+            "pool. Always zero for dense models.",
+            [q(f"sum by ({RANK}) (kvalloc_swa_outside_window_tokens{sel()})", RANK_LEGEND)],
             w=12,
             min=0,
         )
@@ -297,8 +347,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Invariant violations by invariant",
-            "Violations per second by invariant id (DESIGN.md's catalog). Anything above zero is a bug in the "
-            "engine's use of the allocator (double free, misaligned length, leak, ...). The points are exemplars: "
+            "Violations per second by invariant id (DESIGN.md's catalog), summed over the selected ranks (the "
+            "alert names the rank; select it to see its own). Anything above zero is a bug in the engine's use of "
+            "the allocator (double free, misaligned length, leak, ...). The points are exemplars: "
             "each carries the trace id of the request that broke the invariant and links to its trace.",
             [
                 q(
@@ -326,8 +377,9 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Allocation failures",
-            "Allocations refused for lack of pages, per second, by pool and op. Bad: sustained (the engine is out "
-            "of KV memory and retracting or queueing requests; the alloc failure alert fires after 10 minutes).",
+            "Allocations refused for lack of pages, per second, by pool and op, summed over the selected ranks. "
+            "Bad: sustained (a rank is out of KV memory and retracting or queueing requests; the alloc failure "
+            "alert fires for that rank after 10 minutes).",
             [q(rate("kvalloc_alloc_failures_total", by="pool, op"), "{{pool}} {{op}}")],
             unit="ops",
             w=4,

@@ -4,6 +4,7 @@ model, and the structure the issue asks for (variables, rows, descriptions, vari
 from __future__ import annotations
 
 import json
+import re
 
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
@@ -15,6 +16,20 @@ from grafana import generate
 from tests.grafana.dashboard_model import DASHBOARD, load_dashboard, panels, targets
 
 ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Request footprint"]
+# Panels that show one allocator's state (or have a threshold or an alert behind them): one series per rank, never
+# a sum over ranks. The other panels are rates, histograms, counts or the page size: aggregates of the selection.
+PER_RANK = [
+    "Pages by state, per pool",
+    "Used pages, per pool",
+    "Live requests",
+    "Internal fragmentation",
+    "External fragmentation",
+    "Free runs",
+    "Largest free run",
+    "SWA evicted tokens",
+    "Tokens outside the window",
+]
+FILTER = 'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank", dp_rank=~"$dp_rank"'
 
 
 def test_committed_json_is_what_the_generator_writes(tmp_path, capsys):
@@ -56,14 +71,24 @@ def test_variables_rows_and_panels():
     d = load_dashboard()
     assert d["uid"] == generate.UID
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert list(variables) == ["datasource", "engine", "instance"]
+    assert list(variables) == ["datasource", "engine", "instance", "tp_rank", "dp_rank"]
+    assert generate.RANK_LABELS == ("tp_rank", "dp_rank")  # the const labels exporters/prometheus.py documents
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("engine", "instance"):
+    for name in ("engine", "instance", "tp_rank", "dp_rank"):
         v = variables[name]
+        # All is the regex .*, which also matches series without the label (a process without rank labels).
         assert v["type"] == "query" and v["includeAll"] and v["multi"] and v["allValue"] == ".*"
         assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
     assert variables["engine"]["query"] == "label_values(kvalloc_page_size_tokens, engine)"
     assert variables["instance"]["query"] == 'label_values(kvalloc_page_size_tokens{engine=~"$engine"}, instance)'
+    # The rank variables are chained on the ones before them, and sort ranks as numbers (2 before 10).
+    assert variables["tp_rank"]["query"] == (
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", instance=~"$instance"}, tp_rank)'
+    )
+    assert variables["dp_rank"]["query"] == (
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank"}, dp_rank)'
+    )
+    assert variables["tp_rank"]["sort"] == variables["dp_rank"]["sort"] == 3  # numerical, ascending
 
     assert [p["title"] for p in d["panels"] if p["type"] == "row"] == ROWS
     ids = [p["id"] for p in d["panels"]]
@@ -75,7 +100,9 @@ def test_variables_rows_and_panels():
         assert p["targets"], p["title"]
     for p, t in targets(d):
         assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
-        assert 'engine=~"$engine", instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+        # Every selector of every query, not just one of them (a ratio's denominator included).
+        selectors = t["expr"].count("{")
+        assert selectors and t["expr"].count(FILTER) == selectors, (p["title"], t["expr"])
         assert len({x["refId"] for x in p["targets"]}) == len(p["targets"])
 
 
@@ -93,3 +120,28 @@ def test_health_row_has_exemplars_and_the_latency_heatmap_reads_buckets():
     footprint = by_title["Pages per request"]
     assert [t["format"] for t in footprint["targets"]] == ["heatmap"]
     assert "kvalloc_request_pages_bucket" in footprint["targets"][0]["expr"]
+
+
+def test_per_rank_panels_split_by_rank_and_name_it():
+    """In multiprocess mode every rank sits behind one instance: a panel that summed over ranks would show a full
+    rank next to an empty one as half full. The per-rank panels group every aggregation by the process's labels
+    (engine, instance, tp_rank, dp_rank) and their legends name the rank; the others do not split by rank."""
+    d = load_dashboard()
+    by_title = {p["title"]: p for p in panels(d)}
+    assert set(PER_RANK) <= set(by_title)
+    for title, p in by_title.items():
+        for t in p["targets"]:
+            aggregations = re.findall(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(", t["expr"])
+            assert aggregations, (title, t["expr"])
+            if title in PER_RANK:
+                for op, by in aggregations:
+                    labels = {x.strip() for x in by.split(",")}
+                    assert {"engine", "instance", "tp_rank", "dp_rank"} <= labels, (title, op, t["expr"])
+                assert "tp={{tp_rank}} dp={{dp_rank}}" in t["legendFormat"], (title, t["legendFormat"])
+                assert "{{engine}}" in t["legendFormat"] and "{{instance}}" in t["legendFormat"], title
+                assert "rank" in p["description"], title
+            else:
+                assert all("tp_rank" not in by and "dp_rank" not in by for _, by in aggregations), title
+    # The used share keeps its thresholds, now judged per rank.
+    used = by_title["Used pages, per pool"]
+    assert [s["value"] for s in used["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 0.85, 0.95]

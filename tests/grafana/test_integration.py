@@ -214,12 +214,17 @@ def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus
         **{"match[]": f'kvalloc_page_size_tokens{{engine=~"{grafana_regex_escape(engines[0])}"}}'},
     )
     assert instances == [instance]
+    # The demo is one process without rank labels: the rank variables list nothing, so Grafana leaves them at All
+    # (allValue .*, which matches series without the label).
+    for rank in ("tp_rank", "dp_rank"):
+        assert api(base, f"/api/v1/label/{rank}/values", **{"match[]": "kvalloc_page_size_tokens"}) == []
 
     # 4. Every query of every panel, with the variables at All (allValue .*) and at the values listed above.
     end = time.time()
+    ranks = {"tp_rank": ".*", "dp_rank": ".*"}
     selections = {
-        "All": {"engine": ".*", "instance": ".*"},
-        "selected": {"engine": grafana_regex_escape(engines[0]), "instance": grafana_regex_escape(instance)},
+        "All": {"engine": ".*", "instance": ".*", **ranks},
+        "selected": {"engine": grafana_regex_escape(engines[0]), "instance": grafana_regex_escape(instance), **ranks},
     }
     dashboard = load_dashboard()
     problems, sent = [], 0

@@ -11,6 +11,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.prometheus import PrometheusExporter
+from grafana import generate
 from tests.exporters.test_prometheus import make_alloc, scenario
 from tests.grafana.dashboard_model import load_dashboard, load_rules, metric_names, targets
 
@@ -67,11 +68,14 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 # Labels Prometheus adds to every scraped series (job, instance) and the engine const label the dashboard filters
 # on (from the exporter's const_labels, or from grafana/prometheus.yml's target label).
 _TARGET_LABELS = {"job", "instance", "engine"}
+# The rank const labels the exporter documents (the dashboard's rank variables); scraped_labels() serves them, as
+# a rank of a multiprocess deployment does.
+_RANKS = dict.fromkeys(generate.RANK_LABELS, "0")
 
 
 def scraped_labels() -> dict[str, set[str]]:
     w = make_alloc()
-    with PrometheusExporter(w, const_labels={"engine": "e0"}, multiprocess=False) as exp:
+    with PrometheusExporter(w, const_labels={"engine": "e0", **_RANKS}, multiprocess=False) as exp:
         scenario(w)
         port = exp.serve()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
