@@ -195,7 +195,10 @@ def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus
             "instance": instance,
             "engine": "demo",  # the demo's --engine-label default
         }
-        assert alert["annotations"]["summary"] == f"KV allocator invariant {invariant} violated on {instance}"
+        # The demo has an engine label and no rank labels: the summary names what the series carries.
+        assert (
+            alert["annotations"]["summary"] == f"KV allocator invariant {invariant} violated on {instance} engine demo"
+        )
 
     # 2. Enough history for every rate window and range: 10 scrapes of traffic.
     wait_for(

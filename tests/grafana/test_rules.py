@@ -4,6 +4,7 @@ series and silent on healthy ones."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import yaml
@@ -11,6 +12,8 @@ import yaml
 from tests.grafana.dashboard_model import GRAFANA, RULE_TESTS, RULES, load_rules
 from tests.prometheus_server import need_binary
 
+# The labels that tell one process (one rank's allocator) from another.
+PROCESS_LABELS = {"job", "instance", "engine", "tp_rank", "dp_rank"}
 ALERTS = [
     "KvallocInvariantViolation",
     "KvallocPageLeak",
@@ -53,7 +56,18 @@ def test_every_alert_has_severity_summary_description():
     for r in rules:
         assert r["labels"]["severity"] in ("critical", "warning"), r["alert"]
         assert set(r["annotations"]) == {"summary", "description"}, r["alert"]
-        assert "{{ $labels.instance }}" in r["annotations"]["summary"], r["alert"]
+        # One process: the instance and, when the series carry them, the engine and rank const labels (in
+        # multiprocess mode every rank sits behind one instance; two ranks' alerts must read differently).
+        process = "{{ $labels.instance }}" + "".join(
+            f"{{{{ with $labels.{label} }}}} {label} {{{{ . }}}}{{{{ end }}}}"
+            for label in ("engine", "tp_rank", "dp_rank")
+        )
+        assert process in r["annotations"]["summary"], r["alert"]
+        assert process in r["annotations"]["description"], r["alert"]
+        # No rule aggregates the process's labels away: no by (...), and no without (...) that names one of them.
+        assert not re.search(r"\bby\s*\(", r["expr"]), r["alert"]
+        for dropped in re.findall(r"\bwithout\s*\(([^)]*)\)", r["expr"]):
+            assert not {x.strip() for x in dropped.split(",")} & PROCESS_LABELS, (r["alert"], dropped)
     severities = {r["alert"]: r["labels"]["severity"] for r in rules}
     assert severities["KvallocInvariantViolation"] == severities["KvallocPageLeak"] == "critical"
 
