@@ -3,6 +3,8 @@
 Contract
 - ``load_dashboard()``: the committed dashboard JSON (a dict); ``load_rules()``: the rule groups of every
   ``grafana/alerts/*.yml`` that is not a ``*_test.yml``.
+- ``PER_RANK``: the titles of the panels that show one allocator's state, one series per rank (never a sum over
+  ranks: in multiprocess mode every rank sits behind one instance).
 - ``panels(d)``: every non-row panel; ``targets(d)``: ``(panel, target)`` for every query of every panel.
 - ``interpolate(expr, values)``: ``$name`` / ``${name}`` / ``${name:format}`` replaced from ``values`` (template
   variables and Grafana's ``$__`` built-ins, already formatted); an unknown variable raises ``KeyError`` so a
@@ -27,6 +29,20 @@ GRAFANA = REPO / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvalloc.json"
 RULES = sorted(p for p in (GRAFANA / "alerts").glob("*.yml") if not p.name.endswith("_test.yml"))
 RULE_TESTS = sorted((GRAFANA / "alerts").glob("*_test.yml"))
+
+# Panels that show one allocator's state (or have a threshold or an alert behind them): one series per rank, never
+# a sum over ranks. The other panels are rates, histograms, counts or the page size: aggregates of the selection.
+PER_RANK = [
+    "Pages by state, per pool",
+    "Used pages, per pool",
+    "Live requests",
+    "Internal fragmentation",
+    "External fragmentation",
+    "Free runs",
+    "Largest free run",
+    "SWA evicted tokens",
+    "Tokens outside the window",
+]
 
 _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 _METRIC = re.compile(r"\bkvalloc_[A-Za-z0-9_]*")

@@ -13,22 +13,9 @@ from grafana_foundation_sdk.models import prometheus as prom_model
 from grafana_foundation_sdk.models.dashboard import Dashboard, RowPanel
 
 from grafana import generate
-from tests.grafana.dashboard_model import DASHBOARD, load_dashboard, panels, targets
+from tests.grafana.dashboard_model import DASHBOARD, PER_RANK, load_dashboard, panels, targets
 
 ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Request footprint"]
-# Panels that show one allocator's state (or have a threshold or an alert behind them): one series per rank, never
-# a sum over ranks. The other panels are rates, histograms, counts or the page size: aggregates of the selection.
-PER_RANK = [
-    "Pages by state, per pool",
-    "Used pages, per pool",
-    "Live requests",
-    "Internal fragmentation",
-    "External fragmentation",
-    "Free runs",
-    "Largest free run",
-    "SWA evicted tokens",
-    "Tokens outside the window",
-]
 FILTER = 'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank", dp_rank=~"$dp_rank"'
 
 
