@@ -1,16 +1,18 @@
 """The Streamlit app: Live (follow a recording being written) and Incident review (a step, its page map, the
-violations, one request's lifeline). Layout only: the data comes from ``dashboard.data``, every figure from the
-pure functions of ``dashboard.views`` and ``dashboard.pagemap``.
+violations, one request's lifeline), of one recording or of several side by side (one column each: per-rank
+recordings of one run, each headed by its engine and rank from the run metadata). Layout only: the data comes
+from ``dashboard.data``, every figure from the pure functions of ``dashboard.views`` and ``dashboard.pagemap``.
 
 Configuration (set by ``dashboard.launch``, i.e. ``instrumented-alloc dashboard``): environment variables
 ``INSTRUMENTED_ALLOC_DASHBOARD_DIR`` (the directory whose recordings may be opened; default: the working
-directory), ``INSTRUMENTED_ALLOC_DASHBOARD_RECORDING`` (the recording selected first),
+directory), ``INSTRUMENTED_ALLOC_DASHBOARD_RECORDING`` (the recordings selected first, one name a line),
 ``INSTRUMENTED_ALLOC_DASHBOARD_REFRESH`` (seconds between live refreshes; default 2).
 Bad input is shown as a message on the page, never as a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +29,7 @@ from dashboard import data, pagemap, views  # noqa: E402
 from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH  # noqa: E402
 
 LIVE_VIOLATIONS = 200  # the live violation list shows this many newest violations, however old
+PRIMARY = "primary_recording"  # session state: the recording the page opened with (see _key)
 
 
 def _refresh() -> float:
@@ -42,6 +45,18 @@ def _show_error(exc: BaseException) -> None:
         st.error(str(exc))
     else:
         st.error(views.error_text(exc))
+
+
+def _key(base: str, name: str) -> str:
+    """The key of a widget of recording ``name``'s view. The recording the page opened with keeps the plain keys
+    (``step``, ``jump``, ``request``); every other recording has its own (``step@run-tp1.sqlite``): each recording
+    keeps its step while others are added or removed (ranks' step counters need not agree)."""
+    return base if name == st.session_state.get(PRIMARY) else f"{base}@{name}"
+
+
+def _side_by_side(names: list) -> list:
+    """Where each recording's view goes: one column each for several, the page itself for one."""
+    return st.columns(len(names)) if len(names) > 1 else [contextlib.nullcontext()]
 
 
 def _legend(pm: pagemap.PageMap) -> None:
@@ -84,20 +99,23 @@ def _figures(state, ov: data.Overview) -> None:
 
 
 # -- live ----------------------------------------------------------------------------------------------------------
-def live(rdir: data.RecordingDir, name: str) -> None:
+def live(rdir: data.RecordingDir, names: list) -> None:
     @st.fragment(run_every=_refresh())
     def body() -> None:
-        try:
-            with rdir.open(name) as rec:
-                _live(rec)
-        except Exception as exc:  # shown on the page, never a traceback
-            _show_error(exc)
+        for place, name in zip(_side_by_side(names), names):
+            with place:
+                try:
+                    with rdir.open(name) as rec:
+                        _live(rec, name)
+                except Exception as exc:  # shown on the page (in that recording's column), never a traceback
+                    _show_error(exc)
 
     body()
 
 
-def _live(rec) -> None:
+def _live(rec, name: str) -> None:
     ov = data.overview(rec)
+    st.caption(views.recording_caption(name, ov))
     c = st.columns(4)
     c[0].metric("step", ov.last)
     c[1].metric("events", f"{ov.events:,}")
@@ -141,65 +159,72 @@ def _live(rec) -> None:
 
 
 # -- incident review -----------------------------------------------------------------------------------------------
-def incident(rdir: data.RecordingDir, name: str) -> None:
+def incident(rdir: data.RecordingDir, name: str, *, narrow: bool = False) -> None:
+    """Recording ``name``'s incident review; ``narrow``: in a column beside other recordings (one column of
+    content: the step's figures above its page maps)."""
     with rdir.open(name) as rec:
         ov = data.overview(rec)
         violations = rec.violations()
-        st.caption(
-            f"steps {ov.first}..{ov.last} · {ov.events:,} events · {ov.violations} violations · page size "
-            f"{ov.meta.get('page_size')} · window {ov.meta.get('sliding_window')} · "
-            + ("finished" if ov.finished else "not closed (still being written, or cut off by a crash)")
-        )
+        st.caption(views.recording_caption(name, ov))
         if ov.events == 0:
             st.info("This recording has no events yet: only the state when recording started.")
         targets = views.jump_targets(violations, (ov.first, ov.last))
-        if "step" not in st.session_state or not ov.first <= st.session_state["step"] <= ov.last:
-            st.session_state["step"] = targets[0][1] if targets else ov.last
+        step_key, jump_key = _key("step", name), _key("jump", name)
+        if step_key not in st.session_state or not ov.first <= st.session_state[step_key] <= ov.last:
+            st.session_state[step_key] = targets[0][1] if targets else ov.last
 
         def jump() -> None:
-            label = st.session_state.get("jump")
+            label = st.session_state.get(jump_key)
             for lab, s in targets:
                 if lab == label:
-                    st.session_state["step"] = s
+                    st.session_state[step_key] = s
 
         if targets:
             st.selectbox(
                 "Jump to a violation",
                 [lab for lab, _ in targets],
                 index=None,
-                key="jump",
+                key=jump_key,
                 on_change=jump,
                 placeholder=f"{len(targets)} violations: pick one",
             )
         # A one-step recording has nothing to slide over (a slider needs min < max).
-        step = st.slider("Step", ov.first, ov.last, key="step") if ov.last > ov.first else ov.first
+        step = st.slider("Step", ov.first, ov.last, key=step_key) if ov.last > ov.first else ov.first
         state = data.state_end_of(rec, step)
 
-        left, right = st.columns([3, 2])
-        with left:
+        if narrow:  # columns nest one level only, and _figures lays out columns of its own
+            _step_panel(state, ov, violations, step)
             _page_maps(rec, ov, state, violations, step)
-        with right:
-            st.subheader(f"Step {step}")
-            _figures(state, ov)
-            here = [v for v in violations if v.step == step]
-            st.markdown(f"**Violations at step {step}: {len(here)}**")
-            for line in views.violation_lines(here[:20]):
-                st.markdown(line)
-            if len(here) > 20:
-                st.caption(f"... and {len(here) - 20} more in the list below")
+        else:
+            left, right = st.columns([3, 2])
+            with left:
+                _page_maps(rec, ov, state, violations, step)
+            with right:
+                _step_panel(state, ov, violations, step)
         st.subheader(f"All violations ({len(violations)})")
         st.dataframe(views.violation_summary(rec.violation_counts()), hide_index=True)
         st.dataframe(views.violation_rows(violations, newest_first=False), hide_index=True)
-        _request(rec, ov, state, violations)
+        _request(rec, ov, state, violations, _key("request", name))
 
 
-def _request(rec, ov: data.Overview, state, violations) -> None:
+def _step_panel(state, ov: data.Overview, violations, step: int) -> None:
+    st.subheader(f"Step {step}")
+    _figures(state, ov)
+    here = [v for v in violations if v.step == step]
+    st.markdown(f"**Violations at step {step}: {len(here)}**")
+    for line in views.violation_lines(here[:20]):
+        st.markdown(line)
+    if len(here) > 20:
+        st.caption(f"... and {len(here) - 20} more in the list below")
+
+
+def _request(rec, ov: data.Overview, state, violations, key: str) -> None:
     st.subheader("One request's KV lifeline")
     choices = data.request_choices(rec, state, violations)
     if not choices:
         st.caption("No request is live at this step or named by a violation.")
         return
-    rid = st.selectbox("Request", choices, key="request", format_func=str)
+    rid = st.selectbox("Request", choices, key=key, format_func=str)
     hist = data.request_history(rec, rid, ov.first, live_at=state.step if rid in state.ledger else None)
     if hist is None:
         st.warning(f"The recording holds no event of request {rid!r}.")
@@ -230,24 +255,37 @@ def main() -> None:
     except Exception as exc:
         _show_error(exc)
         return
-    wanted = os.environ.get(ENV_RECORDING)
-    if wanted and wanted not in names:
-        names = [wanted, *names]  # shown even when it is not a recording: the page then says why
+    wanted = list(dict.fromkeys(n for n in os.environ.get(ENV_RECORDING, "").split("\n") if n))
+    # Shown even when one is not a recording: the page then says why.
+    names = [n for n in wanted if n not in names] + names
     with st.sidebar:
         st.caption(f"Recordings under `{rdir.root}` (read-only)")
         if not names:
             st.info("No recording here yet (files ending in " + ", ".join(data.SUFFIXES) + ").")
             return
-        name = st.selectbox("Recording", names, index=names.index(wanted) if wanted in names else 0, key="recording")
+        default = wanted or names[:1]
+        st.session_state.setdefault(PRIMARY, default[0])
+        chosen = st.multiselect(
+            "Recordings",
+            names,
+            default=default,
+            key="recordings",
+            help="Several are shown side by side, one column each (e.g. the recordings of a run's ranks).",
+        )
         view = st.radio("View", ["Incident review", "Live"], key="view")
-    st.caption(f"`{name}` · {view}")
-    if view == "Live":
-        live(rdir, name)
+    if not chosen:
+        st.info("Pick one or more recordings in the sidebar.")
         return
-    try:
-        incident(rdir, name)
-    except Exception as exc:  # shown on the page, never a traceback
-        _show_error(exc)
+    st.caption(" · ".join(f"`{n}`" for n in chosen) + f" · {view}")
+    if view == "Live":
+        live(rdir, chosen)
+        return
+    for place, name in zip(_side_by_side(chosen), chosen):
+        with place:
+            try:
+                incident(rdir, name, narrow=len(chosen) > 1)
+            except Exception as exc:  # shown on the page (in that recording's column), never a traceback
+                _show_error(exc)
 
 
 main()

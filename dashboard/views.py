@@ -26,6 +26,37 @@ NO_TRACE = "none recorded (trace ids are kept with violations only)"
 SWA_FREE_OPS = frozenset({"free_swa", "free_swa_segment"})
 
 
+# The run metadata that tells one rank's recording from another's, in the order shown: what ``instrumented-alloc
+# demo`` writes (``engine``, its --engine-label) and what an engine passes as ``FlightRecorder(meta=...)`` for its
+# scheduler process (the Prometheus exporter's const labels: ``tp_rank``, ``dp_rank``, ...; or one ``rank``).
+RUN_KEYS = ("engine", "rank", "tp_rank", "pp_rank", "dp_rank", "ep_rank")
+
+
+# -- the recording -------------------------------------------------------------------------------------------------
+def run_identity(meta: Mapping) -> str:
+    """Which engine and rank a recording is of, from its run metadata: "engine e0 · rank 0 · tp_rank 0" (the keys of
+    ``RUN_KEYS`` the metadata has, in that order, with their values as stored); "" when it has none."""
+    return " · ".join(f"{k} {_md(str(meta[k]))}" for k in RUN_KEYS if meta.get(k) is not None)
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n:,} {what}" + ("" if n == 1 else "s")
+
+
+def recording_caption(name: str, ov) -> str:
+    """The line that heads one recording's view: its name, engine and rank (``run_identity``), steps, events,
+    violations, page size, window and whether it was closed. ``ov``: the recording's ``dashboard.data.Overview``
+    (first, last, meta, events, violations, finished)."""
+    who = run_identity(ov.meta)
+    return (
+        f"`{name}` · "
+        + (f"{who} · " if who else "")
+        + f"steps {ov.first}..{ov.last} · {_n(ov.events, 'event')} · {_n(ov.violations, 'violation')} · page size "
+        f"{ov.meta.get('page_size')} · window {ov.meta.get('sliding_window')} · "
+        + ("finished" if ov.finished else "not closed (still being written, or cut off by a crash)")
+    )
+
+
 # -- violations ---------------------------------------------------------------------------------------------------
 def violation_rows(violations: Iterable[Violation], *, newest_first: bool = True, limit: int | None = None) -> list:
     """One row per violation: step, invariant, request, pool, op, message, trace id (newest first by default)."""

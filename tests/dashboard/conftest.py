@@ -102,3 +102,38 @@ def recordings(tmp_path_factory):
     assert os.path.exists(str(crashed) + "-wal")  # cut off in WAL mode, never finished
     leak = next(v for v in violations_in(crashed) if v.invariant == "request_leak")
     return SimpleNamespace(dir=d, faults=faults, crashed_leak=leak)
+
+
+def rank_recording(path, rank: int, steps: int, fault_step: int) -> None:
+    """One scheduler rank's recording, as an engine records each rank (``FlightRecorder(meta={"engine", "rank",
+    "tp_rank"})``): a paged allocator (64 tokens, pages of 4: 16 pages) serving one 8-token request a step for
+    ``steps`` steps (none finishes), with one fault at ``fault_step``: rank 0 frees its newest request's pages
+    twice (``double_free``), any other rank releases its first request without freeing (``request_leak``)."""
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"))
+    rec = FlightRecorder(w, path, meta={"engine": "e0", "rank": rank, "tp_rank": rank})
+    out = None
+    for i in range(steps):
+        if i == fault_step:
+            if rank == 0:
+                w.free(out)
+                w.free(out)
+            else:
+                w.release_request(f"r{rank}-0")
+        elif i < 3:
+            with w.batch([f"r{rank}-{i}"]):
+                out = w.alloc(8)
+        w.step()
+    rec.close()
+
+
+@pytest.fixture(scope="session")
+def ranks(tmp_path_factory):
+    """Two ranks of one run, one recording each in one directory: ``run-tp0.sqlite`` (rank 0, steps 0..6, a
+    double free at step 4) and ``run-tp1.sqlite`` (rank 1, steps 0..9: its step counter ran ahead; a leak at
+    step 7)."""
+    d = tmp_path_factory.mktemp("ranks")
+    rank_recording(d / "run-tp0.sqlite", 0, 6, 4)
+    rank_recording(d / "run-tp1.sqlite", 1, 9, 7)
+    return d

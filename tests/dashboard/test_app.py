@@ -279,3 +279,176 @@ def test_a_violation_older_than_the_kept_steps_opens_at_the_oldest_kept_step(tmp
     assert at.selectbox(key="jump").options[0] == (
         f"#1 step {step} · kv_allocated_len_page_aligned · {rid} (step {step} is no longer kept: shows step {first})"
     )
+
+
+# -- several recordings side by side (one per rank) -----------------------------------------------------------------
+RANK0 = (
+    "`run-tp0.sqlite` · engine e0 · rank 0 · tp_rank 0 · steps 0..6 · 21 events · 1 violation · page size 4 · "
+    "window None · finished"
+)
+RANK1 = (
+    "`run-tp1.sqlite` · engine e0 · rank 1 · tp_rank 1 · steps 0..9 · 20 events · 1 violation · page size 4 · "
+    "window None · finished"
+)
+DOUBLE_FREE = (
+    ":red[**double_free**] · request **r0-2** · free (full): free frees \\[5, 6\\] (2 pages) that are not in use "
+    "(page 5 is free, last owned by request slot 2)"
+)
+LEAK = (
+    ":red[**request_leak**] · request **r1-0** · release (full): request 'r1-0' released while still owning 2 pages "
+    "(full: 2)"
+)
+
+
+@pytest.fixture
+def ranks_app(ranks, monkeypatch):
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+
+    def run(*names: str):
+        monkeypatch.setenv(ENV_DIR, str(ranks))
+        monkeypatch.setenv(ENV_RECORDING, "\n".join(names))  # what `instrumented-alloc dashboard A B` passes
+        monkeypatch.setenv(ENV_REFRESH, "3600")
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return run
+
+
+def side_by_side(at) -> list:
+    """The recordings' columns, left to right: the page's first row of columns (the live view's is inside its
+    fragment; each recording's own rows of columns are inside its column)."""
+
+    def rows(block):
+        for child in block.children.values():
+            if getattr(child, "type", None) == "flex_container":
+                kids = list(child.children.values())
+                if kids and all(getattr(k, "type", None) == "column" for k in kids):
+                    yield kids
+                else:
+                    yield from rows(child)
+
+    return next(rows(at.main))
+
+
+def charts_in(block) -> list[dict]:
+    """The data of the charts directly in ``block``, in page order, each as {column: [values]}."""
+    import pyarrow as pa
+
+    return [
+        pa.ipc.open_stream(e.proto.datasets[0].data.data).read_all().to_pydict()
+        for e in block.children.values()
+        if getattr(e, "type", None) == "vega_lite_chart"
+    ]
+
+
+def texts(block) -> list:
+    return [m.value for m in block.markdown]
+
+
+def table_of(block, i: int) -> list[dict]:
+    return block.dataframe[i].value.to_dict("records")
+
+
+def test_ranks_side_by_side_in_incident_review(ranks_app, ranks):
+    for name, events in (("run-tp0.sqlite", 21), ("run-tp1.sqlite", 20)):
+        with Recording(ranks / name) as r:
+            assert r.event_count() == events  # the captions below count what the files hold
+    at = ranks_app("run-tp0.sqlite", "run-tp1.sqlite")
+    assert at.multiselect(key="recordings").value == ["run-tp0.sqlite", "run-tp1.sqlite"]
+    assert at.caption[0].value == "`run-tp0.sqlite` · `run-tp1.sqlite` · Incident review"
+    left, right = side_by_side(at)
+    assert left.caption[0].value == RANK0 and right.caption[0].value == RANK1
+    # Each rank opens at its own first violation, on its own step range (rank 1's counter ran ahead).
+    assert [(s.key, s.value, s.min, s.max) for s in left.slider] == [("step", 4, 0, 6)]
+    assert [(s.key, s.value, s.min, s.max) for s in right.slider] == [("step@run-tp1.sqlite", 7, 0, 9)]
+    assert texts(left)[:2] == ["**Violations at step 4: 1**", DOUBLE_FREE]
+    assert texts(right)[:2] == ["**Violations at step 7: 1**", LEAK]
+    assert [s.options for s in left.selectbox if s.key == "jump"] == [["#1 step 4 · double_free · r0-2"]]
+    assert [s.options for s in right.selectbox if s.key == "jump@run-tp1.sqlite"] == [
+        ["#1 step 7 · request_leak · r1-0"]
+    ]
+    # The step's pool figures: rank 0 freed r0-2's two pages (4 of 6 used), rank 1 still holds its leaked ones.
+    figures = [c.dataframe[0].value["full"].to_dict() for c in (left, right)]
+    assert [(f["used"], f["free"]) for f in figures] == [("4", "12"), ("6", "10")]
+    assert [c.dataframe[1].value.to_dict("records") for c in (left, right)] == [
+        [{"invariant": "double_free", "violations": 1}],
+        [{"invariant": "request_leak", "violations": 1}],
+    ]
+    every = [[(x["step"], x["invariant"], x["request"], x["op"]) for x in table_of(c, 2)] for c in (left, right)]
+    assert every == [[(4, "double_free", "r0-2", "free")], [(7, "request_leak", "r1-0", "release")]]
+    assert [len(c.image) for c in (left, right)] == [1, 1]  # each rank's page map, in its column
+
+    # Each rank has its own step: moving rank 1's leaves rank 0's where it was.
+    at.slider(key="step@run-tp1.sqlite").set_value(2).run()
+    assert not at.exception
+    left, right = side_by_side(at)
+    assert texts(left)[:2] == ["**Violations at step 4: 1**", DOUBLE_FREE]
+    assert texts(right)[0] == "**Violations at step 2: 0**"
+    assert right.dataframe[0].value["full"].to_dict()["used"] == "6"  # three requests of two pages each
+
+    # Dropping rank 0 lays rank 1 out alone, at the step it was at.
+    at.multiselect(key="recordings").unselect("run-tp0.sqlite").run()
+    assert not at.exception and not at.error
+    assert [c.value for c in at.caption[:2]] == ["`run-tp1.sqlite` · Incident review", RANK1]
+    assert [(s.key, s.value) for s in at.slider] == [("step@run-tp1.sqlite", 2)]
+
+
+def test_ranks_side_by_side_in_the_live_view(ranks_app):
+    at = ranks_app("run-tp0.sqlite", "run-tp1.sqlite")
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception and not at.error
+    left, right = side_by_side(at)
+    assert left.caption[0].value == RANK0 and right.caption[0].value == RANK1
+    metrics = [{m.label: m.value for m in c.metric} for c in (left, right)]
+    assert [(m["step"], m["events"], m["violations"], m["recording"]) for m in metrics] == [
+        ("6", "21", "1", "finished"),
+        ("9", "20", "1", "finished"),
+    ]
+    # Pages in use per step, from the free lists: rank 0's double free lists r0-2's two pages twice from step 4
+    # on (reads 2, not 4); rank 1's leak keeps all six.
+    charts = [charts_in(c) for c in (left, right)]
+    assert charts[0][0] == {"step": [1, 2, 3, 4, 5, 6], "full used": [2, 4, 6, 6, 2, 2]}
+    assert charts[1][0] == {"step": [1, 2, 3, 4, 5, 6, 7, 8, 9], "full used": [2, 4, 6, 6, 6, 6, 6, 6, 6]}
+    vrows = [table_of(c, len(c.dataframe) - 1) for c in (left, right)]  # the live violation list comes last
+    assert [[(x["step"], x["invariant"], x["request"]) for x in rows] for rows in vrows] == [
+        [(4, "double_free", "r0-2")],
+        [(7, "request_leak", "r1-0")],
+    ]
+    assert [s.value for c in (left, right) for s in c.subheader if s.value.startswith("Now")] == [
+        "Now (step 6)",
+        "Now (step 9)",
+    ]
+    assert [len(c.image) for c in (left, right)] == [1, 1]
+
+
+def test_one_rank_alone_keeps_the_single_layout_and_says_its_rank(ranks_app):
+    at = ranks_app("run-tp1.sqlite")
+    assert at.multiselect(key="recordings").value == ["run-tp1.sqlite"]
+    assert [c.value for c in at.caption[:2]] == ["`run-tp1.sqlite` · Incident review", RANK1]
+    assert [(s.key, s.value) for s in at.slider] == [("step", 7)]
+    # Adding rank 0 puts it beside rank 1, with its own step; rank 1 keeps the one it had.
+    at.slider(key="step").set_value(8).run()
+    at.multiselect(key="recordings").select("run-tp0.sqlite").run()
+    assert not at.exception
+    left, right = side_by_side(at)
+    assert left.caption[0].value == RANK1 and right.caption[0].value == RANK0
+    assert [(s.key, s.value) for s in at.slider] == [("step", 8), ("step@run-tp0.sqlite", 4)]
+
+
+def test_a_rank_that_cannot_be_shown_is_a_message_in_its_column(ranks_app, ranks):
+    at = ranks_app("run-tp0.sqlite", "run-tp9.sqlite")
+    left, right = side_by_side(at)
+    assert left.caption[0].value == RANK0 and not left.error
+    missing = ranks.resolve() / "run-tp9.sqlite"
+    assert [e.value for e in right.error] == [f"{missing}: no such file (expected a flight recording)"]
+
+
+def test_no_recording_picked_says_so(ranks_app):
+    at = ranks_app("run-tp0.sqlite")
+    at.multiselect(key="recordings").unselect("run-tp0.sqlite").run()
+    assert not at.exception and not at.error
+    assert [i.value for i in at.info] == ["Pick one or more recordings in the sidebar."]

@@ -297,3 +297,23 @@ def test_error_text_names_the_problem():
         "This file cannot be shown as a flight recording: /d/y is not a flight recording (no table events)"
     )
     assert views.error_text(OSError("disk")) == "The recording could not be read (OSError): disk"
+
+
+def test_run_identity_and_recording_caption():
+    from types import SimpleNamespace
+
+    meta = {"tp_rank": 1, "engine": "e0", "rank": 1, "dp_rank": 0, "preset": "dense", "page_size": 4}
+    assert views.run_identity(meta) == "engine e0 · rank 1 · tp_rank 1 · dp_rank 0"  # RUN_KEYS order, 0 included
+    assert views.run_identity({"preset": "dense", "rank": None}) == ""
+    assert views.run_identity({"engine": "a_b*"}) == "engine a\\_b\\*"  # markdown-escaped
+    ov = SimpleNamespace(first=3, last=9, meta=meta, events=1234, violations=1, finished=True)
+    assert views.recording_caption("run-tp1.sqlite", ov) == (
+        "`run-tp1.sqlite` · engine e0 · rank 1 · tp_rank 1 · dp_rank 0 · steps 3..9 · 1,234 events · 1 violation · "
+        "page size 4 · window None · finished"
+    )
+    ov = SimpleNamespace(first=0, last=0, meta={"page_size": 16, "sliding_window": 128}, events=1, violations=0,
+                         finished=False)  # fmt: skip
+    assert views.recording_caption("a.sqlite", ov) == (
+        "`a.sqlite` · steps 0..0 · 1 event · 0 violations · page size 16 · window 128 · not closed (still being "
+        "written, or cut off by a crash)"
+    )
