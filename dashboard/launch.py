@@ -1,5 +1,6 @@
 """Start the dashboard: ``streamlit run dashboard/app.py`` on 127.0.0.1, with the recording directory (and the
-recording selected first) passed to the app through its environment (see ``dashboard.app``).
+recordings selected first: several are shown side by side) passed to the app through its environment (see
+``dashboard.app``).
 
 Contract: ``command(...)`` builds the command line and environment (pure); ``launch(...)`` runs it in the
 foreground and returns its exit status; ``start(...)`` runs it in the background (``instrumented-alloc demo
@@ -49,11 +50,34 @@ def resolve(recording=None, directory=None) -> tuple[Path, str | None]:
     return d, name
 
 
+def resolve_all(recordings=(), directory=None) -> tuple[Path, list[str]]:
+    """(directory, recording names relative to it) for several recordings (``resolve`` for each, repeats dropped).
+    Without ``directory`` they must lie in one directory, which becomes the dashboard's: the app opens files
+    under its directory only, and a common ancestor of scattered files could be the whole disk."""
+    if directory is not None or not recordings:
+        pairs = [resolve(r, directory) for r in recordings] or [resolve(None, directory)]
+    else:
+        pairs = [resolve(r) for r in recordings]
+        dirs = list(dict.fromkeys(d for d, _ in pairs))
+        if len(dirs) > 1:
+            raise ValueError(
+                f"the recordings are in different directories ({', '.join(map(str, dirs))}): give --dir, a "
+                "directory that holds them all"
+            )
+    names = list(dict.fromkeys(n for _, n in pairs if n is not None))
+    for n in names:
+        if "\n" in n:  # the app receives the names one a line
+            raise ValueError(f"{n!r}: a recording name with a line break cannot be passed to the dashboard")
+    return pairs[0][0], names
+
+
 def command(recording=None, *, port: int = 8501, directory=None, refresh: float | None = None):
-    """(argv, env) that start the app (see the module contract)."""
+    """(argv, env) that start the app (see the module contract). ``recording``: a recording, or a list of them
+    (shown side by side)."""
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"--port {port}: not a TCP port")
-    d, name = resolve(recording, directory)
+    many = [] if recording is None else [recording] if isinstance(recording, (str, os.PathLike)) else list(recording)
+    d, names = resolve_all(many, directory)
     argv = [
         sys.executable, "-m", "streamlit", "run", str(APP),
         "--server.address", "127.0.0.1",
@@ -68,8 +92,8 @@ def command(recording=None, *, port: int = 8501, directory=None, refresh: float 
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env[ENV_DIR] = str(d)
     env.pop(ENV_RECORDING, None)
-    if name is not None:
-        env[ENV_RECORDING] = name
+    if names:
+        env[ENV_RECORDING] = "\n".join(names)
     if refresh is not None:
         env[ENV_REFRESH] = str(float(refresh))
     return argv, env

@@ -430,7 +430,8 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise UsageError(f"--refresh must be >= 1 second, got {args.refresh:g}")
     launch = _dashboard_launcher().launch
     try:
-        return launch(args.recording, port=args.port, directory=args.dir, refresh=args.refresh)
+        recordings = [r for r in [args.recording, *args.more] if r is not None]
+        return launch(recordings, port=args.port, directory=args.dir, refresh=args.refresh)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -549,9 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
         "dashboard",
         help="the Streamlit app: live view and incident review of flight recordings (127.0.0.1)",
         description="Start the Streamlit dashboard on 127.0.0.1. It opens recordings read-only, and only under "
-        "--dir (default: the directory of RECORDING, else the working directory).",
+        "--dir (default: the directory of RECORDING, else the working directory). Several RECORDINGs (e.g. one per "
+        "rank) are shown side by side.",
     )
     dash.add_argument("recording", nargs="?", metavar="RECORDING", help="the flight recording selected first")
+    dash.add_argument("more", nargs="*", metavar="RECORDING",
+                      help="more recordings, shown side by side with the first (e.g. one per rank)")
     dash.add_argument("--port", type=_port, default=8501, help="TCP port on 127.0.0.1 (default 8501)")
     dash.add_argument("--dir", default=None, help="the directory whose recordings the dashboard may open")
     dash.add_argument("--refresh", type=_finite, default=None, help="seconds between live refreshes (default 2)")

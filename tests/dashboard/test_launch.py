@@ -50,6 +50,27 @@ def test_command_with_a_directory(tmp_path):
         command(None, directory=tmp_path, port=70000)
 
 
+def test_command_with_several_recordings(tmp_path):
+    # `instrumented-alloc dashboard run-tp0.sqlite run-tp1.sqlite`: one recording per rank, shown side by side.
+    (tmp_path / "sub").mkdir()
+    a, b = tmp_path / "run-tp0.sqlite", tmp_path / "run-tp1.sqlite"
+    _, env = command([a, b, a])  # a repeat is shown once
+    assert env[ENV_DIR] == str(tmp_path.resolve()) and env[ENV_RECORDING] == "run-tp0.sqlite\nrun-tp1.sqlite"
+    _, env = command(["run-tp1.sqlite", "sub/x.sqlite"], directory=tmp_path)
+    assert env[ENV_RECORDING] == "run-tp1.sqlite\n" + os.path.join("sub", "x.sqlite")
+    # Without --dir the dashboard's directory is theirs: it must be one (a common ancestor could be "/").
+    with pytest.raises(ValueError, match=r"in different directories .*: give --dir, a directory that holds them"):
+        command([a, tmp_path / "sub" / "x.sqlite"])
+    _, env = command([a, tmp_path / "sub" / "x.sqlite"], directory=tmp_path)
+    assert env[ENV_RECORDING] == "run-tp0.sqlite\n" + os.path.join("sub", "x.sqlite")
+    with pytest.raises(ValueError, match="not inside the dashboard's directory"):
+        command([a, tmp_path.parent / "elsewhere.sqlite"], directory=tmp_path)
+    with pytest.raises(ValueError, match="a recording name with a line break"):
+        command([a, tmp_path / "two\nlines.sqlite"])
+    _, env = command([], directory=tmp_path)
+    assert ENV_RECORDING not in env
+
+
 def test_recording_dir_confines_every_name(tmp_path):
     root = tmp_path / "recs"
     root.mkdir()
@@ -74,7 +95,9 @@ def test_parser_has_the_dashboard_command():
     args = build_parser().parse_args(["dashboard", "r.sqlite", "--port", "9000", "--dir", "/x"])
     assert (args.recording, args.port, args.dir, args.refresh) == ("r.sqlite", 9000, "/x", None)
     args = build_parser().parse_args(["dashboard"])
-    assert (args.recording, args.port, args.dir) == (None, 8501, None)
+    assert (args.recording, args.more, args.port, args.dir) == (None, [], 8501, None)
+    args = build_parser().parse_args(["dashboard", "run-tp0.sqlite", "run-tp1.sqlite", "run-tp2.sqlite"])
+    assert (args.recording, args.more) == ("run-tp0.sqlite", ["run-tp1.sqlite", "run-tp2.sqlite"])
 
 
 def test_cli_refuses_a_recording_outside_dir_without_a_traceback(tmp_path):
@@ -85,6 +108,20 @@ def test_cli_refuses_a_recording_outside_dir_without_a_traceback(tmp_path):
     )  # fmt: skip
     assert res.returncode == 2
     assert "not inside the dashboard's directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_refuses_recordings_in_different_directories_without_a_traceback(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run(
+        [sys.executable, "-m", "instrumented_alloc.cli", "dashboard", str(tmp_path / "a" / "run-tp0.sqlite"),
+         str(tmp_path / "b" / "run-tp1.sqlite"), "--port", "0"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "the recordings are in different directories" in res.stderr and "give --dir" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_demo_dashboard_flag_serves_the_live_recording_and_stops_with_the_demo(tmp_path):
