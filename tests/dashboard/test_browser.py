@@ -71,16 +71,17 @@ def free_port() -> int:
 
 
 class Dashboard:
-    """``instrumented-alloc dashboard RECORDING --port N`` as a subprocess, until ``stop()``."""
+    """``instrumented-alloc dashboard RECORDING... --port N`` as a subprocess, until ``stop()``; ``recording``: one
+    path or a list of them (side by side)."""
 
     def __init__(self, recording, *extra):
         self.port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        self.log = Path(recording).with_suffix(".dashboard.log")
+        paths = [str(p) for p in recording] if isinstance(recording, list) else [str(recording)]
+        self.log = Path(paths[0]).with_suffix(".dashboard.log")
         self.out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "instrumented_alloc.cli", "dashboard", str(recording), "--port", str(self.port),
-             *extra],
+            [sys.executable, "-m", "instrumented_alloc.cli", "dashboard", *paths, "--port", str(self.port), *extra],
             cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}/"
@@ -192,3 +193,44 @@ def test_live_view_follows_a_recording_being_written(browser, tmp_path):
             dash.stop()
         writer.kill()
         writer.communicate(timeout=10)
+
+
+def test_ranks_side_by_side_in_chromium(browser, ranks):
+    # `instrumented-alloc dashboard run-tp0.sqlite run-tp1.sqlite`: each rank in its own column, headed by its
+    # engine and rank, rank 0 left of rank 1 on one row.
+    dash = Dashboard([ranks / "run-tp0.sqlite", ranks / "run-tp1.sqlite"])
+    try:
+        page = browser.new_page(viewport={"width": 1500, "height": 2600})
+        page.goto(dash.url)
+        captions = []
+        for rank, steps in ((0, "0..6"), (1, "0..9")):
+            who = f"engine e0 · rank {rank} · tp_rank {rank} · steps {steps}"
+            sel = f'[data-testid="stCaptionContainer"]:has-text("{who}")'
+            page.wait_for_selector(sel, timeout=60_000)
+            captions.append(page.locator(sel))
+        assert [c.count() for c in captions] == [1, 1]
+        assert captions[0].inner_text().startswith("run-tp0.sqlite · engine e0 · rank 0 · tp_rank 0 · steps 0..6")
+        assert captions[1].inner_text().startswith("run-tp1.sqlite · engine e0 · rank 1 · tp_rank 1 · steps 0..9")
+        boxes = [c.bounding_box() for c in captions]
+        assert boxes[0]["x"] + boxes[0]["width"] <= boxes[1]["x"] and abs(boxes[0]["y"] - boxes[1]["y"]) < 5
+        page.wait_for_selector("text=Violations at step 4: 1", timeout=30_000)
+        page.wait_for_selector("text=Violations at step 7: 1", timeout=30_000)
+        body = page.inner_text("body")
+        assert "double_free" in body and "request_leak" in body and "Traceback" not in body
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('[data-testid=\"stImage\"] img')]"
+            ".filter(i => i.complete && i.naturalWidth > 0).length >= 2",
+            timeout=30_000,
+        )
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-ranks.png"), full_page=True)
+        page.get_by_text("Live", exact=True).click()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('[data-testid=\"stMetric\"]')].filter(m => "
+            "m.querySelector('[data-testid=\"stMetricLabel\"]').innerText.trim() === 'step')"
+            ".map(m => m.querySelector('[data-testid=\"stMetricValue\"]').innerText).join(',') === '6,9'",
+            timeout=60_000,
+        )
+        page.close()
+    finally:
+        dash.stop()
