@@ -2265,8 +2265,12 @@ class InstrumentedAllocator:
         if swa is None:
             if op == "free_segment":
                 parts = ((full, idx[::ps] >> shift, False),)
-            elif op == "free" or op == "free_full" or op == "free_full_segment":
+            elif op == "free" or op == "free_full":
                 parts = ((full, idx, True),)  # set-shaped on a single pool (slots: pages below)
+            elif op == "free_full_segment":
+                # A per-request SWA ring frees the segment's pages by id (see _full_segment_parts); a single
+                # pool's is set-shaped.
+                parts = ((full, idx[::ps] >> shift, False) if st.swa_frees == "none" else (full, idx, True),)
             else:
                 return _ABSENT
         elif op == "free_swa_segment" or op == "free_segment":
@@ -2375,10 +2379,14 @@ class InstrumentedAllocator:
     def _full_segment_parts(self, free_index, op):
         if self._w_st.swa_frees == "pool":
             return None  # see _free_full_parts
-        if self._w_st.swa is None:
+        if self._w_st.swa is None and self._w_st.swa_frees != "none":
             # A single pool's free_full_segment is a set-shaped free (base class: free_full -> free).
             return self._full_set_part(free_index)
-        return [self._peer_released_check(free_index, op), self._full_segment_part(free_index)]
+        # The two-pool SWA allocator and a per-request SWA ring (its mapping is never written, so no peer to
+        # check) free the segment through the full allocator's free_segment: one page per page_size slots, by
+        # id, no dedup (a page named twice is listed twice).
+        part = self._full_segment_part(free_index)
+        return [part] if self._w_st.swa is None else [self._peer_released_check(free_index, op), part]
 
     def _swa_parts(self, free_index, op):
         if self._w_st.swa is None:

@@ -274,3 +274,57 @@ def test_a_refused_allocation_on_a_pool_is_an_alloc_failure_of_that_pool():
     ]
     w.step()
     assert _violations(w) == [] and allocator_state(w) == allocator_state(bare)
+
+
+# -- audit round: the views, the ring and the all-SWA allocator against SGLang's own semantics --------------------
+def _raises_or_records(w, call):
+    """``call()``, then two step boundaries (deferred checks land); the invariant id raised, or None."""
+    try:
+        call()
+        w.step()
+        w.step()
+    except InvariantViolation as e:
+        return e.violation.invariant
+    return None
+
+
+def _ring_ps(ps):
+    sglang_compat.require_sglang(True)
+    return sglang_compat.make_sglang_swa_ring(256, 128, ps, ring_size=48)
+
+
+def _ring_extend(a, n):
+    z = torch.zeros(1, dtype=I64)
+    return a.alloc_extend(z, z.clone(), torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+@pytest.mark.parametrize("ps", [4, 16])
+def test_ring_free_full_segment_frees_by_page_id(ps, mode, verify):
+    # SGLang's ring free_full_segment is full_attn_allocator.free_segment: one page per page_size slots, no dedup.
+    bare, w = _ring_ps(ps), InstrumentedAllocator(_ring_ps(ps), mode=mode, verify=verify)
+    xs = [_ring_extend(a, 2 * ps) for a in (bare, w)]
+    assert xs[0].tolist() == xs[1].tolist()
+    twice = torch.cat([xs[1][:ps], xs[1][:ps]])  # the first page named twice: listed twice by the bare one
+    refused = mode == "raise" and verify == "immediate"
+    if not refused:
+        bare.free_full_segment(twice.clone(), start_pos=0)
+    assert _raises_or_records(w, lambda: w.free_full_segment(twice, start_pos=0)) == (
+        None if mode == "record" else "double_free"
+    )
+    assert _violations(w) == [("double_free", "free_full_segment", "full")]
+    assert allocator_state(w) == allocator_state(bare)  # raise + immediate: refused before the call
+
+
+@pytest.mark.parametrize("mode", ["record", "raise"])
+@pytest.mark.parametrize("ps", [4, 16])
+def test_ring_free_full_segment_from_mid_page_frees_the_pages_sglang_frees(ps, mode):
+    bare, w = _ring_ps(ps), InstrumentedAllocator(_ring_ps(ps), mode=mode)
+    for a in (bare, w):
+        x = _ring_extend(a, 2 * ps)
+        a.free_full_segment(x[ps // 2 : ps + ps // 2], start_pos=0)  # SGLang frees the first page only
+        a.free_full_segment(x[ps:], start_pos=ps)  # the second page, still in use until now
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
