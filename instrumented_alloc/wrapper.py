@@ -3003,9 +3003,11 @@ class InstrumentedAllocator:
     def _group_begin(self) -> None:
         st = self._w_st
         pools = st.pools
-        if len(pools) == 1 and st.full.allocator is not st.inner:
+        if len(pools) == 1 and st.full.allocator is not st.inner and st.swa_frees == "peers":
             # HiSparse (one pool, its logical allocator: see __init__): free groups are no-ops (frees happen at
-            # once), so nothing is held.
+            # once), so nothing is held. Not SGLang's one-pool SWA layouts, whose groups hold: a per-request SWA
+            # ring's opens one on its full allocator; the all-SWA allocator holds every free itself until the
+            # group ends (and frees the held slots once more through its own free, no dedup at page size 1).
             return
         for p in pools.values():
             p.shadow.group_begin()
