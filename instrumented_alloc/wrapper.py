@@ -1000,7 +1000,33 @@ class InstrumentedAllocator:
                 part = self._segment_part(pool, index)
             else:
                 part = (pool, lambda p: (p, False, None), (index,))
+            held = getattr(pool.allocator, "free_group", None) is not None
+            if not held and getattr(st.inner, "free_group", None) is not None:
+                # The composite is in a free group its pool's own allocator is not in (SGLang's SWA allocator
+                # opens one on its full allocator only; the all-SWA allocator holds frees in its own pile): the
+                # pool's shadow holds the composite's frees, but this one releases at once.
+                return self._outside_group(pool.shadow, lambda: self._free(op, forward, [part]))
             return self._free(op, forward, [part])
+
+    def _outside_group(self, shadow: PoolShadow, call: Callable):
+        """``call()`` (a free of ``shadow``'s pool that its allocator releases at once) with ``shadow`` out of
+        its free group: judged and mirrored as an immediate free (a page the group holds is not in use: freeing
+        it again is a double free), then the group state restored. In call order: both switches go through the
+        slot tier, around the free's own queued checks when deferred."""
+        saved = []
+
+        def leave() -> None:
+            saved.append(shadow.in_group)
+            shadow.in_group = False
+
+        def restore() -> None:
+            shadow.in_group = saved.pop()
+
+        self._slot_tier(leave)
+        try:
+            return call()
+        finally:
+            self._slot_tier(restore)
 
     # -- public API beyond SGLang's ---------------------------------------------------------------------------
     @property

@@ -374,3 +374,59 @@ def test_pure_swa_follows_free_groups(mode, verify):
     w2.step()
     w2.step()
     assert _violations(w2) == [("double_free", "free", "full")]
+
+
+VIEW_KINDS = {
+    "sglang-ps4": lambda need_sort=False: sglang_compat.make_sglang_swa(64, 32, 4, need_sort=need_sort),
+    "sglang-ps1": lambda need_sort=False: sglang_compat.make_sglang_swa(64, 32, 1, need_sort=need_sort),
+    "ours-ps4": lambda need_sort=False: SWATokenToKVPoolAllocator(64, 32, 4, F16, "cpu", None, need_sort),
+    "ours-ps1": lambda need_sort=False: SWATokenToKVPoolAllocator(64, 32, 1, F16, "cpu", None, need_sort),
+    "sglang-pure": lambda need_sort=False: sglang_compat.make_sglang_pure_swa(32, need_sort=need_sort),
+}
+
+
+def _view_kind(kind, need_sort=False):
+    if kind.startswith("sglang"):
+        sglang_compat.require_sglang(True)
+    return VIEW_KINDS[kind](need_sort)
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+@pytest.mark.parametrize("kind", list(VIEW_KINDS))
+def test_a_view_free_inside_a_free_group_releases_at_once(kind, mode, verify):
+    # SGLang's free_group_begin opens a group on the composite and its full allocator only (the all-SWA
+    # allocator: on itself only): the SWA allocator's own free releases at once.
+    bare, w = _view_kind(kind), InstrumentedAllocator(_view_kind(kind), mode=mode, verify=verify)
+    got = []
+    for a in (bare, w):
+        s = a.swa_attn_allocator.alloc(32)  # an external KV load takes the whole SWA pool
+        a.free_group_begin()
+        a.swa_attn_allocator.free(s)  # the load aborted, inside the scheduler's group
+        t = a.swa_attn_allocator.alloc(8)  # the pool hands the pages out again
+        a.free_group_end()
+        got.append((s.tolist(), t.tolist(), a.swa_available_size()))
+    assert got[0] == got[1]
+    w.step()
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+
+
+@pytest.mark.parametrize("kind", ["sglang-ps4", "ours-ps1"])
+def test_a_view_free_inside_a_group_of_pages_the_group_holds_is_a_double_free(kind):
+    bare, w = _view_kind(kind), InstrumentedAllocator(_view_kind(kind), mode="raise")
+    for a in (bare, w):
+        x = _extend(a, 8)
+        peers = a.full_to_swa_index_mapping[x].clone()
+        a.free_group_begin()
+        a.free(x)  # the composite holds the SWA peers until the group ends, then releases them
+    with pytest.raises(InvariantViolation) as info:
+        w.swa_attn_allocator.free(peers)  # at once, through the SWA allocator: they would be released twice
+    v = info.value.violation
+    assert (v.invariant, v.op, v.pool) == ("double_free", "swa_attn_allocator.free", "swa")
+    for a in (bare, w):
+        a.free_group_end()
+    w.step()
+    assert [x.invariant for x in w.violations] == ["double_free"] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)  # refused before the call
