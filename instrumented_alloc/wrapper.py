@@ -922,9 +922,14 @@ class InstrumentedAllocator:
             n = self._validate(op, check_int, "need_size", need_size)
             pool = st.pools[pool_name]
             before = pool.entries()
+            staged = pool.staged() if st.need_sort else 0
             t0 = st.clock()
             out = pool.allocator.alloc(n)
             dt = st.clock() - t0
+            if staged and pool.staged() == 0:
+                # need_sort: an allocation that ran short merged the pool's staged pages into its free list first
+                # (as _after_merge_check, for this pool alone): mirrored before the pages handed out are judged.
+                self._slot_tier(pool.shadow.merged)
             if out is None:
                 # A refusal must take no page (see _alloc_none).
                 if pool.entries() != before:

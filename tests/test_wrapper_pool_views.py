@@ -430,3 +430,21 @@ def test_a_view_free_inside_a_group_of_pages_the_group_holds_is_a_double_free(ki
     w.step()
     assert [x.invariant for x in w.violations] == ["double_free"] and w.check_consistency() == []
     assert allocator_state(w) == allocator_state(bare)  # refused before the call
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+@pytest.mark.parametrize("kind", list(VIEW_KINDS))
+def test_a_view_alloc_that_merges_the_staged_pages(kind, mode, verify):
+    bare, w = _view_kind(kind, True), InstrumentedAllocator(_view_kind(kind, True), mode=mode, verify=verify)
+    got = []
+    for a in (bare, w):
+        s = a.swa_attn_allocator.alloc(32)  # the whole SWA pool
+        a.swa_attn_allocator.free(s)  # need_sort: staged
+        t = a.swa_attn_allocator.alloc(8)  # runs short: merges the staged pages, then hands them out
+        got.append((t.tolist(), a.swa_available_size()))
+    assert got[0] == got[1]
+    w.step()
+    w.step()
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
