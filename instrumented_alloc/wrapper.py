@@ -949,8 +949,11 @@ class InstrumentedAllocator:
                 return None
             ps = st.ps
             got = int(out.shape[0])
-            if got != (n if ps == 1 else n // ps * ps):
-                self._violate("alloc_length_mismatch", f"{op}({n}) returned {got} slots", op=op, pool=pool_name)
+            if got != n:
+                # SGLang's paged alloc takes a page-aligned need_size (its debug mode asserts it) and hands out
+                # need_size // page_size pages: an unaligned one gets fewer slots than asked, as the wrapper's own
+                # alloc reports.
+                self._alloc_mismatch(op, n, got, pool_name)
 
             def verify(o):
                 if ps == 1:
@@ -964,6 +967,20 @@ class InstrumentedAllocator:
                 st.events.append(_B_ALLOC(seq, st.clock(), st.step, op, pool_name, got, got // ps, (), dt))
             self._finish()
             return out
+
+    def _alloc_mismatch(self, op: str, n: int, got: int, pool: str) -> None:
+        """``alloc_length_mismatch``: ``op`` (a plain ``alloc``, the wrapper's or a pool view's) asked for ``n``
+        slots and got ``got``. The contract is exactly ``n`` (SGLang's paged allocators expect a page-aligned
+        ``n``: an unaligned one is handed ``n // page_size`` pages, which the message names)."""
+        ps = self._w_ps
+        expect = n // ps * ps
+        self._violate(
+            "alloc_length_mismatch",
+            f"{op}({n}) returned {got} slots"
+            + (f" (page size {ps}: {n} is not a multiple, {expect} handed out)" if ps > 1 and got == expect else ""),
+            op=op,
+            pool=pool,
+        )
 
     def _alloc_pages_check(self, pool: _Pool, slots: np.ndarray, own, got: int, op: str) -> None:
         """A plain ``alloc`` of ``got`` slots at page size > 1 (host ``slots``): whole pages from their first slot,
@@ -1400,16 +1417,9 @@ class InstrumentedAllocator:
             if fast and self._alloc_fast(st, out, n, bound, dt):
                 return out
             ps = st.ps
-            expect = n if ps == 1 else n // ps * ps
             got = int(out.shape[0])
             if got != n:
-                self._violate(
-                    "alloc_length_mismatch",
-                    f"alloc({n}) returned {got} slots"
-                    + (f" (page size {ps}: {n} is not a multiple, {expect} handed out)" if got == expect else ""),
-                    op=op,
-                    pool="full",
-                )
+                self._alloc_mismatch(op, n, got, "full")
             own, grow = self._alloc_owners(n if got == n else got)
             full = self._w_st.full
             if ps == 1:

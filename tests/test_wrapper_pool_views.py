@@ -448,3 +448,20 @@ def test_a_view_alloc_that_merges_the_staged_pages(kind, mode, verify):
     w.step()
     assert _violations(w) == [] and w.check_consistency() == []
     assert allocator_state(w) == allocator_state(bare)
+
+
+@pytest.mark.parametrize("kind", ["sglang-ps4", "ours-ps4"])
+@pytest.mark.parametrize("attr", ["full_attn_allocator", "swa_attn_allocator"])
+def test_a_view_alloc_off_the_page_size_is_a_length_mismatch_as_on_the_wrapper(kind, attr):
+    # SGLang's paged alloc takes a page-aligned need_size (asserted in its debug mode) and hands out
+    # need_size // page_size pages: alloc(6) at page size 4 gets 4 slots.
+    bare, w = _view_kind(kind), InstrumentedAllocator(_view_kind(kind), mode="record")
+    outs = [getattr(a, attr).alloc(6) for a in (bare, w)]
+    assert outs[0].tolist() == outs[1].tolist() and outs[1].numel() == 4
+    assert _violations(w) == [("alloc_length_mismatch", f"{attr}.alloc", attr[:4].rstrip("_"))]
+    paged = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, F16, "cpu"), mode="record")
+    assert paged.alloc(6).numel() == 4
+    assert _violations(paged) == [("alloc_length_mismatch", "alloc", "full")]
+    assert w.violations[0].message.replace(f"{attr}.alloc", "alloc") == paged.violations[0].message
+    w.step()
+    assert len(w.violations) == 1 and allocator_state(w) == allocator_state(bare)
