@@ -2399,8 +2399,12 @@ class InstrumentedAllocator:
         return result
 
     def _free_parts(self, free_index, op):
-        parts = self._full_set_part(free_index)
-        return parts if self._w_st.swa is None else self._swa_set_part(free_index) + parts
+        st = self._w_st
+        if st.swa is not None:
+            return self._swa_set_part(free_index) + self._full_set_part(free_index)
+        if st.swa_frees == "pool":
+            return self._one_pool_part(free_index, op)
+        return self._full_set_part(free_index)
 
     def _free_full_parts(self, free_index, op):
         if self._w_st.swa_frees == "pool":
@@ -2413,7 +2417,7 @@ class InstrumentedAllocator:
 
     def _segment_parts(self, free_index, op):
         if self._w_st.swa_frees == "pool":
-            return self._full_set_part(free_index)  # one pool: a set-shaped free of it (page size 1)
+            return self._one_pool_part(free_index, op)
         parts = [self._full_segment_part(free_index)]
         return parts if self._w_st.swa is None else [self._swa_segment_part(free_index, op), *parts]
 
@@ -2431,7 +2435,7 @@ class InstrumentedAllocator:
 
     def _swa_parts(self, free_index, op):
         if self._w_st.swa is None:
-            return self._one_pool_swa_free(free_index)
+            return self._one_pool_swa_free(free_index, op)
         return [*self._swa_set_part(free_index), self._full_range_check(free_index, op)]
 
     def _full_range_check(self, free_index, op):
@@ -2458,14 +2462,43 @@ class InstrumentedAllocator:
 
     def _swa_segment_parts(self, free_index, op):
         if self._w_st.swa is None:
-            return self._one_pool_swa_free(free_index)
+            return self._one_pool_swa_free(free_index, op)
         return [self._swa_segment_part(free_index, op)]
 
-    def _one_pool_swa_free(self, free_index):
+    def _one_pool_swa_free(self, free_index, op):
         """An SWA free on an allocator with no SWA pool of its own: SGLang's all-SWA allocator releases its one
-        pool (set-shaped, page size 1); a per-request SWA ring, or an allocator with no SWA side, frees nothing
+        pool (``_one_pool_part``); a per-request SWA ring, or an allocator with no SWA side, frees nothing
         (None: forwarded unchecked)."""
-        return self._full_set_part(free_index) if self._w_st.swa_frees == "pool" else None
+        return self._one_pool_part(free_index, op) if self._w_st.swa_frees == "pool" else None
+
+    def _one_pool_part(self, free_index, op) -> list:
+        """A free of SGLang's all-SWA allocator (``free``, ``free_segment``, ``free_swa``, ``free_swa_segment``):
+        it releases ``free_index[free_index > 0]`` into its one token pool (set-shaped, no dedup at page size 1),
+        at once or at the end of its free group. The entries it drops (slot 0, negative slots) are misuse,
+        reported here (``reserved_page_touched``, ``free_unallocated``; raise mode refuses host indices before
+        the call), and neither judged again nor counted as freed: the inner lists none of them."""
+        pool = self._w_st.full
+        num_pages = pool.shadow.num_pages
+
+        def fn(idx):
+            keep = idx > 0
+            if keep.all():
+                return idx, False, None
+            dropped = idx[~keep]
+            if (dropped == 0).any():
+                self._violate("reserved_page_touched", f"{op} frees reserved slot 0", op=op, pool=pool.name)
+            neg = dropped[dropped < 0]
+            if neg.size:
+                self._violate(
+                    "free_unallocated",
+                    f"{op} frees slots outside the pool (valid 1..{num_pages}): {neg[:8].tolist()} "
+                    f"({neg.size} slots; the allocator drops them)",
+                    op=op,
+                    pool=pool.name,
+                )
+            return idx[keep], False, None
+
+        return [(pool, fn, (free_index,))]
 
     def free_segments(self, segments):
         """SGLang's batched row free: each segment goes through the instrumented ``free_segment`` (the inner's

@@ -465,3 +465,24 @@ def test_a_view_alloc_off_the_page_size_is_a_length_mismatch_as_on_the_wrapper(k
     assert w.violations[0].message.replace(f"{attr}.alloc", "alloc") == paged.violations[0].message
     w.step()
     assert len(w.violations) == 1 and allocator_state(w) == allocator_state(bare)
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("op", ["free", "free_swa", "free_segment", "free_swa_segment"])
+def test_pure_swa_frees_drop_slot_zero_as_sglang_does(op, verify):
+    bare, w = _pure(), InstrumentedAllocator(_pure(), mode="record", verify=verify)
+    for a in (bare, w):
+        x = a.alloc(4)
+        idx = torch.cat([torch.zeros(1, dtype=I64), x])  # a padded row: slot 0 first
+        getattr(a, op)(idx, start_pos=0) if op.endswith("segment") else getattr(a, op)(idx)
+    w.step()
+    w.step()
+    assert _violations(w) == [("reserved_page_touched", op, "full")]
+    assert w.check_consistency() == [] and allocator_state(w) == allocator_state(bare)
+    assert w.available_size() == 64
+    raising = InstrumentedAllocator(_pure(), mode="raise")
+    y = raising.alloc(4)
+    with pytest.raises(InvariantViolation) as info:
+        getattr(raising, op)(torch.cat([torch.zeros(1, dtype=I64), y]), **({"start_pos": 0} if "seg" in op else {}))
+    assert info.value.violation.invariant == "reserved_page_touched"
+    assert raising.available_size() == 60  # refused before the call
