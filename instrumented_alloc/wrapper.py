@@ -2851,10 +2851,13 @@ class InstrumentedAllocator:
             if owners.size:
                 slots_all.append(owners)
                 if pool.name == "full":
-                    # The request's allocated length follows its full-pool pages when they shrink.
-                    cap = led.owned["full"][owners] * ps
-                    led.allocated[owners] = np.minimum(led.allocated[owners], cap)
-                    led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
+                    if self._w_st.swa_frees == "pool":
+                        self._one_pool_lengths(op, owners)
+                    else:
+                        # The request's allocated length follows its full-pool pages when they shrink.
+                        cap = led.owned["full"][owners] * ps
+                        led.allocated[owners] = np.minimum(led.allocated[owners], cap)
+                        led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
             if self._w_st.want_free:
                 self._emit(
                     ev.Free,
@@ -2881,6 +2884,20 @@ class InstrumentedAllocator:
             live = led.live[slots]
             self._emit_ledger(op, slots if live.all() else slots[live], private=True)
 
+    def _one_pool_lengths(self, op: str, slots: np.ndarray) -> None:
+        """``_after_free``'s length update on SGLang's all-SWA allocator, whose one pool (tracked as "full") holds
+        a request's pages less those its window evicted. Its SWA frees (``free_swa``, ``free_swa_segment``) are
+        that eviction, which the engine records next with its ``swa_evicted_seqlen`` write (SGLang's order, in
+        mem_cache/common.py): the request's lengths stay, as on the two-pool allocator. Any other free shrinks
+        them to what its pages cover: the pages it still owns plus its evicted length. ``slots``: the distinct
+        owner slots of the freed pages."""
+        if op == "free_swa" or op == "free_swa_segment":
+            return
+        led = self._w_st.ledger
+        cap = led.owned["full"][slots] * self._w_ps + led.evicted[slots]
+        led.allocated[slots] = np.minimum(led.allocated[slots], cap)
+        led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
+
     def _after_free_one(self, op: str, touched, duration: float, st: _CallState) -> None:
         """``_after_free`` for the usual free: one request's pages in one pool, in Python ints. ``st``: the
         wrapper's ``_CallState`` (every read from it)."""
@@ -2888,13 +2905,16 @@ class InstrumentedAllocator:
         led = st.ledger
         s = int(owners[0])
         if pool.name == "full":
-            # The request's allocated length follows its full-pool pages when they shrink.
-            cap = led.owned["full"].item(s) * st.ps
-            allocated = led.allocated.item(s)
-            if allocated > cap:
-                led.allocated[s] = allocated = cap
-            if led.committed.item(s) > allocated:
-                led.committed[s] = allocated
+            if st.swa_frees == "pool":
+                self._one_pool_lengths(op, owners)
+            else:
+                # The request's allocated length follows its full-pool pages when they shrink.
+                cap = led.owned["full"].item(s) * st.ps
+                allocated = led.allocated.item(s)
+                if allocated > cap:
+                    led.allocated[s] = allocated = cap
+                if led.committed.item(s) > allocated:
+                    led.committed[s] = allocated
         rids = None
         if st.want_free:
             rids = (led.rid_of(s),)
@@ -3204,9 +3224,11 @@ class InstrumentedAllocator:
         allocated = led.allocated[slots] + (ps - 1)
         want_full = allocated >> shift if shift is not None else allocated // ps
         checks = [("full", want_full)]
-        if "swa" in led.owned:
+        if "swa" in led.owned or self._w_st.swa_frees == "pool":
             evicted = led.evicted[slots]
-            checks.append(("swa", want_full - (evicted >> shift if shift is not None else evicted // ps)))
+            want_swa = want_full - (evicted >> shift if shift is not None else evicted // ps)
+            # The all-SWA allocator's one pool is its SWA pool (tracked as "full"): evicted pages leave it.
+            checks = [("full", want_swa)] if "swa" not in led.owned else [*checks, ("swa", want_swa)]
         for name, want in checks:
             have = led.owned[name][slots]
             # The usual boundary: equal int64 arrays, one memcmp (np.flatnonzero is a Python-level wrapper: only
@@ -3225,9 +3247,12 @@ class InstrumentedAllocator:
         ps = self._w_ps
         full = led.owned["full"]
         swa = led.owned.get("swa")
+        one_pool = self._w_st.swa_frees == "pool"  # the all-SWA allocator: evicted pages leave its one pool
         later = []  # the swa pool's mismatches, reported after every full one
         for s in slots:
             want = (allocated.item(s) + ps - 1) // ps
+            if one_pool:
+                want -= evicted.item(s) // ps
             have = full.item(s)
             if have != want:
                 self._ledger_mismatch(op, "full", s, want, have)
@@ -3253,7 +3278,7 @@ class InstrumentedAllocator:
         self._violate(
             "ledger_matches_pages",
             f"request {led.rid_of(s)!r}: kv_allocated_len={int(led.allocated[s])}"
-            + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" else "")
+            + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" or self._w_st.swa_frees == "pool" else "")
             + f" means {want} {name} pages, it owns {have}",
             slot=s,
             op=op,

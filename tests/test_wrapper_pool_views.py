@@ -486,3 +486,37 @@ def test_pure_swa_frees_drop_slot_zero_as_sglang_does(op, verify):
         getattr(raising, op)(torch.cat([torch.zeros(1, dtype=I64), y]), **({"start_pos": 0} if "seg" in op else {}))
     assert info.value.violation.invariant == "reserved_page_touched"
     assert raising.available_size() == 60  # refused before the call
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_pure_swa_window_eviction_keeps_the_request_lengths(mode, verify):
+    # SGLang's order (mem_cache/common.py): free the out-of-window prefix, then record the evicted length.
+    bare, w = _pure(), InstrumentedAllocator(_pure(), mode=mode, verify=verify, sliding_window=8)
+    for a in (bare, w):
+        with w.batch(["r"]) if a is w else _null():
+            x = a.alloc(40)
+        w.step()
+        a.free_swa_segment(x[:24], start_pos=0)
+        if a is w:
+            w.ledger["r"].swa_evicted_seqlen = 24  # 24 <= 40 - 8
+            w.step()
+            w.step()
+            kv = w.ledger["r"]
+            assert (kv.kv_allocated_len, kv.kv_committed_len, kv.swa_evicted_seqlen) == (40, 40, 24)
+            assert _violations(w) == [] and w.check_consistency() == []
+        a.free(x[36:])  # a retracted tail: the lengths follow the pages left plus the evicted length
+    w.step()
+    w.step()
+    kv = w.ledger["r"]
+    assert (kv.kv_allocated_len, kv.kv_committed_len, kv.swa_evicted_seqlen) == (36, 36, 24)
+    assert _violations(w) == [] and w.check_consistency() == []
+    assert allocator_state(w) == allocator_state(bare)
+
+
+def test_pure_swa_evicted_length_without_the_free_is_still_a_ledger_mismatch():
+    w = InstrumentedAllocator(_pure(), mode="record", sliding_window=8)
+    with w.batch(["r"]):
+        w.alloc(40)
+    w.ledger["r"].swa_evicted_seqlen = 24  # nothing freed: the pool still holds 40 pages, the ledger means 16
+    assert [(v.invariant, v.pool) for v in w.check_consistency()] == [("ledger_matches_pages", "full")]
