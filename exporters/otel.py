@@ -135,6 +135,7 @@ import random
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -367,6 +368,7 @@ class CountingSpanExporter(SpanExporter):
         # _exported + _dropped, kept as one int so that settled() reads it without the lock (one attribute read
         # is atomic): the batch processor's admit() asks on every span, on the engine thread.
         self._settled = 0
+        _reinit_after_fork(self)
 
     def export(self, spans) -> SpanExportResult:
         n = len(spans)
@@ -389,6 +391,11 @@ class CountingSpanExporter(SpanExporter):
         call or just before (it only grows), never one ahead of it."""
         return self._settled
 
+    def _at_fork_reinit(self) -> None:
+        # In a forked child: a fresh lock (the parent's may have been held by its export thread at the fork, and
+        # that thread does not exist here). The counts carry on as the process's other counters do.
+        self._lock = threading.Lock()
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 
@@ -410,6 +417,20 @@ class CountingSpanExporter(SpanExporter):
     def exported(self) -> int:
         with self._lock:
             return self._exported
+
+
+def _reinit_after_fork(obj) -> None:
+    """Call ``obj._at_fork_reinit()`` in every child forked after this, for as long as ``obj`` lives (a weak
+    reference: the hook keeps nothing alive), as the SDK's batch processor does for its own queue and thread."""
+    if hasattr(os, "register_at_fork"):
+        ref = weakref.WeakMethod(obj._at_fork_reinit)
+
+        def after_in_child() -> None:
+            reinit = ref()
+            if reinit is not None:
+                reinit()
+
+        os.register_at_fork(after_in_child=after_in_child)
 
 
 def _env_queue_size() -> int:
@@ -437,6 +458,10 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     - At ``shutdown`` the queue is exported (our ``OtelExporter.shutdown`` shuts the exporter down when its own
       wait runs out, so that what is left fails at once, counted). Not counted: spans left in the queue when the
       SDK's own shutdown wait (30 s) runs out while an export call still hangs.
+
+    - In a child forked after it was built (``os.fork``), the SDK's at-fork hook empties the queue and starts a new
+      worker (the parent exports what was queued); this one then counts nothing handed as unsettled and takes a new
+      lock, so the child's spans are admitted as a fresh processor's would be. The counts carry on from the parent's.
 
     ``dropped`` = spans of failed exports + ``queue_full``: a running total that never decreases.
     Thread-safe: ``on_end`` runs on the thread that ends the span (the engine's), exports on the processor's
@@ -474,6 +499,16 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         # The SDK's on_end is its own sampled check, then this queue's emit: call emit directly when it is there.
         inner = getattr(self, "_batch_processor", None)
         self._emit = getattr(inner, "emit", None) or super().on_end
+        # Registered after the SDK's own hook (in the constructor above), which empties the queue in a child.
+        _reinit_after_fork(self)
+
+    def _at_fork_reinit(self) -> None:
+        # In a forked child the SDK's hook has emptied the queue (the parent exports what it held) and started a
+        # new worker: nothing handed here is unsettled any more. Without this the child would count the parent's
+        # queued spans as still queued and refuse its own as "queue full". A fresh lock too: the parent's may have
+        # been held at the fork by a thread the child does not have.
+        self._count_lock = threading.Lock()
+        self._handed = self.counting._settled
 
     def on_end(self, span) -> None:
         if span.context and span.context.trace_flags.sampled:  # the SDK's processor ignores unsampled spans too

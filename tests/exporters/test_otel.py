@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import time
 import uuid
@@ -2459,3 +2460,53 @@ def test_shutdown_keeps_its_time_when_the_span_exporters_own_shutdown_waits():
         assert time.monotonic() - t0 < 2.0
     finally:
         release.set()
+
+
+# -- audit fixes: fork, OTEL_TRACES_EXPORTER, event limits, loss counters, samplers, small ones ----------------------
+def _one_request(w, rid) -> None:
+    r = Req(rid)
+    extend(w, [r], [5])
+    w.free(t(r.row))
+    w.release_request(rid)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_exports_its_spans_as_a_fresh_processor(otel_env):
+    # The parent's spans sit in the queue at the fork (a long schedule delay, a batch size above what is queued).
+    # The SDK's at-fork hook empties the queue in the child; the processor must not go on counting those spans as
+    # unsettled (before the fix the child refused 19 of its 20 spans as "queue full").
+    rx = Receiver()
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
+        otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+        otel_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
+        otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "64")
+        w = paged(4096)
+        exp = OtelExporter(w)
+        for i in range(63):
+            _one_request(w, f"parent{i}")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its counts through the pipe, never return into pytest
+            code = 1
+            try:
+                for i in range(20):
+                    _one_request(w, f"child{i}")
+                exp.force_flush(timeout_millis=5000)
+                p = exp._counting
+                os.write(write, f"{p.queue_full} {p.exported} {w.bus.drop_counts()['otel']}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(read) as f:
+            report = f.read()
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert report == "0 20 0"  # nothing refused, the child's 20 exported, nothing lost
+        assert exp.shutdown(timeout_millis=5000)  # the parent exports its own 63 spans
+        names = sorted(rx.request_spans(), key=str)
+        assert names == sorted([f"child{i}" for i in range(20)] + [f"parent{i}" for i in range(63)])
+        assert rx.span_count() == 83 and w.bus.drop_counts()["otel"] == 0
+    finally:
+        rx.close()
