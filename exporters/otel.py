@@ -85,7 +85,8 @@ Threading and what is dropped when
   would not (each still a span object, a sampler call and its events' attributes built).
 - Tracing off: when no span can be produced (``OTEL_SDK_DISABLED``, or a provider whose tracer is a no-op; our
   provider's sampler dropping every span of ours, whatever its parent: ``always_off``, a ratio of 0; not
-  ``parentbased_always_off``, which samples the child of a sampled engine span named by ``set_parent``) the
+  ``parentbased_always_off``, which samples the child of a sampled engine span named by ``set_parent``, nor any
+  ``ParentBased`` whose delegate for some parent, remote or local (an in-process engine span), samples) the
   exporter subscribes to nothing: with no other sink the wrapper builds no event, and ``trace_id_for`` is not set.
 - Sampling and trace ids: ``trace_id_for`` (and so a violation's ``trace_id`` and the Prometheus exemplar) is None
   for a request whose span the sampler dropped, on either path: such a trace is never exported (the same rule as
@@ -304,8 +305,8 @@ def _sampling_decision(sampler):
 
 def _samples_nothing(sampler) -> bool:
     """Whether ``sampler`` (one ``_sampling_decision`` reads) drops every span of ours: each root span, each child of
-    an engine's span handed to ``OtelExporter.set_parent`` (a remote parent, sampled or not) and each child of a
-    dropped span (all our own parents would be dropped ones)."""
+    an engine's span handed to ``OtelExporter.set_parent`` (a remote parent, from a W3C carrier, or a local one, an
+    in-process engine span or its context; sampled or not) and each child of a dropped span."""
     if isinstance(sampler, sampling.StaticSampler):
         return getattr(sampler, "_decision", None) is sampling.Decision.DROP
     if isinstance(sampler, sampling.TraceIdRatioBased):
@@ -313,7 +314,13 @@ def _samples_nothing(sampler) -> bool:
     if isinstance(sampler, sampling.ParentBased):
         return all(
             _samples_nothing(getattr(sampler, name, None))
-            for name in ("_root", "_local_parent_not_sampled", "_remote_parent_sampled", "_remote_parent_not_sampled")
+            for name in (
+                "_root",
+                "_local_parent_sampled",
+                "_local_parent_not_sampled",
+                "_remote_parent_sampled",
+                "_remote_parent_not_sampled",
+            )
         )
     return False
 

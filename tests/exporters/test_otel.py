@@ -1150,6 +1150,8 @@ def _sdk_samplers():
             remote_parent_sampled=smp.TraceIdRatioBased(0.4),
             remote_parent_not_sampled=smp.ALWAYS_ON,
         ),
+        # Only a child of a sampled in-process (local) parent is sampled: not "samples nothing".
+        "parentbased local only": smp.ParentBased(smp.ALWAYS_OFF, remote_parent_sampled=smp.ALWAYS_OFF),
     }
 
 
@@ -1173,8 +1175,8 @@ def test_sampling_decision_is_the_samplers(name, trace_id, parent):
     """The fast path's decision for a span of ours (a root; a child of a local span, sampled or dropped: a violation
     span of an ended request; a child of a remote span, sampled or not: the engine's span named by set_parent) is
     what the SDK sampler's ``should_sample`` decides for it, for every sampler ``OTEL_TRACES_SAMPLER`` can build and
-    parent-based ones with other delegates; ``_samples_nothing`` holds exactly when no root is sampled, no child of
-    a remote parent and no child of a dropped parent is."""
+    parent-based ones with other delegates; ``_samples_nothing`` holds exactly when no root is sampled and no child
+    of any parent (remote or local, sampled or not) is."""
     from opentelemetry.context import Context
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
@@ -2510,3 +2512,75 @@ def test_a_forked_child_exports_its_spans_as_a_fresh_processor(otel_env):
         assert rx.span_count() == 83 and w.bus.drop_counts()["otel"] == 0
     finally:
         rx.close()
+
+
+def test_a_sampler_that_samples_only_children_of_a_local_parent_keeps_tracing_on(otel_env):
+    # ParentBased(root=ALWAYS_OFF, remote_parent_sampled=ALWAYS_OFF) still samples the child of a sampled local
+    # (in-process) parent: an engine span handed to set_parent. Before the fix the exporter read that sampler as
+    # "samples nothing" and switched tracing off; the plain SDK exports the kv.request span.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import sampling as smp
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    def sampler():
+        return smp.ParentBased(smp.ALWAYS_OFF, remote_parent_sampled=smp.ALWAYS_OFF)
+
+    engine = TracerProvider().get_tracer("engine")
+    got = {}
+    for how in ("own", "sdk"):
+        rx = Receiver()
+        try:
+            w = paged()
+            if how == "own":
+                exp = OtelExporter(w, sampler=sampler(), endpoint=rx.base)
+                assert exp._fast is not None and not exp._off
+            else:
+                provider = TracerProvider(sampler=sampler())
+                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=rx.base + "/v1/traces")))
+                exp = OtelExporter(w, tracer_provider=provider)
+            with engine.start_as_current_span("engine.request") as es:
+                assert exp.set_parent("a", es) is True
+                _one_request(w, "a")  # a child of the local sampled engine span: sampled
+                engine_ctx = es.get_span_context()
+            _one_request(w, "b")  # a root: dropped
+            assert exp.trace_id_for("a") == format(engine_ctx.trace_id, "032x") and exp.trace_id_for("b") is None
+            exp.shutdown(timeout_millis=5000)
+            if how == "sdk":
+                provider.shutdown()
+            assert rx.wait_for(lambda r: r.span_count() >= 1)
+            with rx.lock:
+                spans = [s for _, s in rx.spans]
+            got[how] = [
+                (
+                    s.name,
+                    s.trace_id.hex(),
+                    s.parent_span_id.hex(),
+                    {kv.key for kv in s.attributes},
+                    [e.name for e in s.events],
+                )
+                for s in spans
+            ]
+            assert got[how] == [
+                (
+                    "kv.request",
+                    format(engine_ctx.trace_id, "032x"),
+                    format(engine_ctx.span_id, "016x"),
+                    {
+                        "kv.request.id",
+                        "kv.page_size",
+                        "kv.allocated_len",
+                        "kv.committed_len",
+                        "kv.swa_evicted_seqlen",
+                        "kv.violations",
+                        "kv.decode_steps",
+                        "kv.events_dropped",
+                        "kv.pages.peak",
+                        "kv.pages.held_at_release",
+                    },
+                    ["kv.prefill", "kv.release"],
+                )
+            ]
+        finally:
+            rx.close()
+    # The same span on both paths (each in its own engine span's trace, checked above).
+    assert [(n, k, e) for n, _, _, k, e in got["own"]] == [(n, k, e) for n, _, _, k, e in got["sdk"]]
