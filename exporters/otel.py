@@ -118,12 +118,13 @@ exporter's exemplars ask with); nothing raw leaves the process in a span.
 Export configuration (read in the constructor, never at import): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default ``http://localhost:4318/v1/traces``), ``..._HEADERS``, ``..._TIMEOUT``,
 ``..._COMPRESSION``, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (service name default
-``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``. ``endpoint=`` overrides the endpoint variables
-(a URL without a path gets ``/v1/traces``). ``span_exporter=`` replaces the OTLP exporter of our own provider (any
-``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so its failed
-exports are counted the same way). ``sampler=`` replaces ``OTEL_TRACES_SAMPLER``/``..._ARG`` for our own provider
-(an SDK ``Sampler``: the fast path takes every one ``_sampling_decision`` knows, e.g. ``ParentBasedTraceIdRatio(0.1)``;
-any other gets the SDK's spans).
+``instrumented-alloc``), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*`` (``OTEL_BSP_MAX_QUEUE_SIZE`` not positive:
+``ValueError``, as the SDK's processor raises). ``endpoint=`` overrides the endpoint variables (a URL without a
+path gets ``/v1/traces``, before its query if it has one). ``span_exporter=`` replaces the OTLP exporter of our own
+provider (any ``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so
+its failed exports are counted the same way). ``sampler=`` replaces ``OTEL_TRACES_SAMPLER``/``..._ARG`` for our own
+provider (an SDK ``Sampler``: the fast path takes every one ``_sampling_decision`` knows, e.g.
+``ParentBasedTraceIdRatio(0.1)``; any other gets the SDK's spans).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -326,9 +327,11 @@ def _samples_nothing(sampler) -> bool:
 
 
 def _traces_url(endpoint: str) -> str:
-    """``endpoint=`` as the full OTLP/HTTP traces URL (a bare ``scheme://host:port`` gets ``/v1/traces``)."""
-    if urlsplit(endpoint).path in ("", "/"):
-        return endpoint.rstrip("/") + "/v1/traces"
+    """``endpoint=`` as the full OTLP/HTTP traces URL: a URL without a path (``scheme://host:port``, or ``/``) gets
+    the path ``/v1/traces``; its query and fragment, if any, stay where they were (after the path)."""
+    parts = urlsplit(endpoint)
+    if parts.path in ("", "/"):
+        return urlunsplit(parts._replace(path="/v1/traces"))
     return endpoint
 
 
@@ -441,13 +444,22 @@ def _reinit_after_fork(obj) -> None:
 
 
 def _env_queue_size() -> int:
-    """``OTEL_BSP_MAX_QUEUE_SIZE`` as the SDK reads it (a positive int; otherwise the default, 2048)."""
+    """``OTEL_BSP_MAX_QUEUE_SIZE`` as the SDK's ``BatchSpanProcessor`` reads it: an int (one that does not parse is
+    logged and the default, 2048, used instead). A value that is not positive raises ``ValueError`` here, naming the
+    variable, where the SDK's processor raises its own ``ValueError`` for it."""
     raw = os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE")
+    if raw is None:
+        return _BSP_DEFAULT_QUEUE
     try:
-        n = int(raw) if raw is not None else _BSP_DEFAULT_QUEUE
+        n = int(raw)
     except ValueError:
-        n = _BSP_DEFAULT_QUEUE
-    return n if n > 0 else _BSP_DEFAULT_QUEUE
+        _logger.exception(
+            "Unable to parse value for %s as integer. Defaulting to %s.", "OTEL_BSP_MAX_QUEUE_SIZE", _BSP_DEFAULT_QUEUE
+        )
+        return _BSP_DEFAULT_QUEUE
+    if n <= 0:
+        raise ValueError(f"OTEL_BSP_MAX_QUEUE_SIZE={raw!r}: max_queue_size must be a positive integer.")
+    return n
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):

@@ -7,6 +7,7 @@ import gzip
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -35,6 +36,7 @@ class Receiver:
         self.spans: list = []  # (resource attributes, span proto)
         self.scopes: list = []  # the instrumentation scope's name of each span in ``spans``
         self.encodings: list = []
+        self.paths: list = []  # the request target of every POST (path and query), when ``keep``
         self.hits = 0
         self.first_hit: float | None = None
         self.lock = threading.RLock()
@@ -50,7 +52,10 @@ class Receiver:
                             receiver.first_hit = time.monotonic()
                     if receiver.delay:
                         time.sleep(receiver.delay)
-                    if self.path != "/v1/traces":
+                    if receiver.keep:
+                        with receiver.lock:
+                            receiver.paths.append(self.path)
+                    if urlsplit(self.path).path != "/v1/traces":  # a query (?tenant=...) is the client's to add
                         self.send_response(404)
                         self.end_headers()
                         return

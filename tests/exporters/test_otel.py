@@ -2584,3 +2584,40 @@ def test_a_sampler_that_samples_only_children_of_a_local_parent_keeps_tracing_on
             rx.close()
     # The same span on both paths (each in its own engine span's trace, checked above).
     assert [(n, k, e) for n, _, _, k, e in got["own"]] == [(n, k, e) for n, _, _, k, e in got["sdk"]]
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_queue_size_that_is_not_positive_raises_as_the_sdks_processor_does(otel_env, value):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from exporters.otel import CountingBatchSpanProcessor
+
+    otel_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", value)
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="max_queue_size must be a positive integer"):
+        BatchSpanProcessor(OTLPSpanExporter())  # the SDK's
+    w = paged()
+    with pytest.raises(ValueError, match=f"OTEL_BSP_MAX_QUEUE_SIZE='{value}'.*positive integer"):
+        OtelExporter(w)
+    with pytest.raises(ValueError, match="OTEL_BSP_MAX_QUEUE_SIZE"):
+        CountingBatchSpanProcessor(InMemorySpanExporter())
+    assert w.bus.sinks == ()  # nothing attached
+    # A value that does not parse: the SDK's default (2048), as the SDK's processor reads it.
+    otel_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "lots")
+    assert CountingBatchSpanProcessor(InMemorySpanExporter()).max_queue_size == 2048
+
+
+def test_an_endpoint_with_a_query_gets_the_traces_path_before_it(otel_env):
+    rx = Receiver()
+    try:
+        w = paged()
+        exp = OtelExporter(w, endpoint=rx.base + "?tenant=t1")
+        _one_request(w, "a")
+        assert exp.shutdown(timeout_millis=5000)
+        assert rx.wait_for(lambda r: "a" in r.request_spans())
+        with rx.lock:
+            assert rx.paths == ["/v1/traces?tenant=t1"]
+        assert rx.span_count() == 1 and w.bus.drop_counts()["otel"] == 0
+    finally:
+        rx.close()
