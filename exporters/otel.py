@@ -58,7 +58,8 @@ Threading and what is dropped when
   what was still queued (the exporter is shut down, so those exports fail at once). With your own
   ``tracer_provider``, use ``CountingBatchSpanProcessor(your_exporter)`` as its processor (or, for the export
   failures alone, wrap your exporter in ``CountingSpanExporter``) and pass it as ``counting_exporter=`` to have its
-  losses reported the same way.
+  losses reported the same way. Exporters on one allocator that share that processor (an exporter shut down and a
+  new one attached with the same provider, or two side by side) report its losses once, past ones included.
 - Spans of requests still open live in memory until their release (one span object and a few counters per live
   request). ``shutdown()`` ends them (``kv.open_at_shutdown=True``) so that they are exported too.
 - The fast span path (our own provider only): when the sampler is one ``OTEL_TRACES_SAMPLER`` names (unset:
@@ -1422,7 +1423,11 @@ class OtelExporter:
             alloc.subscribe(self)
         if self._counting is not None:
             counting = self._counting  # the total outlives this exporter: a counter never goes back
-            alloc.bus.add_loss_counter(self.name, lambda: counting.dropped)
+            # Keyed by the CountingSpanExporter whose failed exports it counts: exporters attached to this allocator
+            # with the same counting processor (or its exporter), one after the other or side by side, count those
+            # losses once (the processor's total, which includes its exporter's).
+            key = counting.counting if isinstance(counting, CountingBatchSpanProcessor) else counting
+            alloc.bus.add_loss_counter(self.name, lambda: counting.dropped, key=key)
 
     def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None, sampler) -> TracerProvider:
         resource = Resource.create()

@@ -60,7 +60,8 @@ Contract:
 - Losses after a sink took the events (the OTel SDK failing to export the spans made of them, on its own thread)
   are not the bus's to see: the component registers a running total with ``add_loss_counter(name, counter)``, and
   ``drop_counts()`` (what ``kvalloc_events_dropped_total{sink}`` reports) is ``dropped`` plus those totals per
-  sink name. ``counter()`` is called from any thread (a scrape's), must be cheap, and never decreases.
+  sink name. ``counter()`` is called from any thread (a scrape's), must be cheap, and never decreases. Counters
+  registered with the same ``key=`` (the component whose losses they count) are counted once, as their largest.
 - ``make(cls, seq, ts, step, fields)`` is how the wrapper builds events on its hot path: the same frozen object the
   dataclass constructor builds (same fields, defaults, equality, repr, pickling), without the per-field
   ``object.__setattr__`` of a frozen dataclass's ``__init__`` (a third of the cost). A field with a default factory
@@ -318,6 +319,23 @@ def sink_name(sink) -> str:
     return getattr(sink, "name", None) or getattr(sink, "__name__", None) or type(sink).__name__
 
 
+class _KeyedCounters:
+    """Loss counters registered under one key (``EventBus.add_loss_counter``): the same losses, counted once."""
+
+    __slots__ = ("counters", "key")
+
+    def __init__(self, key, counters: list):
+        self.key = key
+        self.counters = counters
+
+    def __call__(self) -> int:
+        n = 0
+        for counter in list(self.counters):
+            with contextlib.suppress(Exception):
+                n = max(n, int(counter()))
+        return n
+
+
 class EventBus:
     """Delivers batches of events to sinks; counts what a sink refused or failed on."""
 
@@ -398,12 +416,23 @@ class EventBus:
         folds decodes instead (see the module docstring)."""
         return self.want_decode_ledgers
 
-    def add_loss_counter(self, name: str, counter: Callable[[], int]) -> None:
+    def add_loss_counter(self, name: str, counter: Callable[[], int], *, key=None) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a
-        sink lost after it took the events. Counters stay registered (a total must not go back)."""
+        sink lost after it took the events. Counters stay registered (a total must not go back). ``key``: what the
+        counter counts the losses of (e.g. the component that loses them); counters registered under one name with
+        the same key count the same losses (two sinks attached one after the other around one component, or one
+        counting part of what another counts): that key is counted once, as the largest of its counters."""
         if not callable(counter):
             raise TypeError(f"counter: expected a callable, got {type(counter).__name__}")
-        self._loss_counters.setdefault(str(name), []).append(counter)
+        counters = self._loss_counters.setdefault(str(name), [])
+        if key is None:
+            counters.append(counter)
+            return
+        for entry in counters:
+            if isinstance(entry, _KeyedCounters) and entry.key is key:
+                entry.counters.append(counter)
+                return
+        counters.append(_KeyedCounters(key, [counter]))
 
     def drop_counts(self) -> dict[str, int]:
         """Per sink name: ``dropped`` (refused or failed batches' events) plus the loss counters' totals. A counter

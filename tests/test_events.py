@@ -135,6 +135,21 @@ def test_bus_loss_counters_add_to_drop_counts():
         bus.add_loss_counter("x", 3)
 
 
+def test_bus_loss_counters_with_one_key_count_once():
+    bus = EventBus()
+    part, whole = [2], [5]
+    src, other = object(), object()
+    bus.add_loss_counter("otel", lambda: whole[0], key=src)
+    bus.add_loss_counter("otel", lambda: whole[0], key=src)  # a second sink around the same component
+    bus.add_loss_counter("otel", lambda: part[0], key=src)  # one that counts part of it
+    bus.add_loss_counter("otel", lambda: 1, key=other)
+    bus.add_loss_counter("otel", lambda: 1)  # no key: counted on its own, as before
+    bus.add_loss_counter("recorder", lambda: whole[0], key=src)  # another name: its own count
+    assert bus.drop_counts() == {"otel": 5 + 1 + 1, "recorder": 5}
+    whole[0], part[0] = 9, 3
+    assert bus.drop_counts() == {"otel": 9 + 1 + 1, "recorder": 9}
+
+
 def test_bus_empty_batch_not_delivered():
     calls = []
     bus = EventBus([calls.append])

@@ -2621,3 +2621,43 @@ def test_an_endpoint_with_a_query_gets_the_traces_path_before_it(otel_env):
         assert rx.span_count() == 1 and w.bus.drop_counts()["otel"] == 0
     finally:
         rx.close()
+
+
+def test_exporters_sharing_one_counting_processor_count_its_losses_once(otel_env):
+    # A provider with one CountingBatchSpanProcessor whose collector is down, passed as counting_exporter= to an
+    # exporter that is shut down and then to a new one on the same allocator, and to a third beside it by its
+    # CountingSpanExporter alone: every lost span is counted once under kvalloc_events_dropped_total{sink="otel"}
+    # (before the fix, once per exporter), and the first exporter's past losses stay counted.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from exporters.otel import CountingBatchSpanProcessor
+    from exporters.prometheus import PrometheusExporter
+
+    otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    dead = f"http://127.0.0.1:{_free_port()}/v1/traces"
+    proc = CountingBatchSpanProcessor(OTLPSpanExporter(endpoint=dead, timeout=0.2))
+    provider = TracerProvider()
+    provider.add_span_processor(proc)
+    w = paged(256)
+    prom = PrometheusExporter(w, multiprocess=False)
+    try:
+        e1 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc)
+        for i in range(2):
+            _one_request(w, f"first{i}")
+        e1.shutdown(timeout_millis=3000)
+        assert proc.dropped == 2 and w.bus.drop_counts()["otel"] == 2
+        e2 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc)  # re-attached, same provider
+        e3 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc.counting)  # beside it
+        for i in range(5):
+            _one_request(w, f"r{i}")
+        e2.force_flush(timeout_millis=5000)
+        # e2 and e3 both end each request's span: 10 spans, each lost once.
+        assert proc.dropped == 2 + 10 and e2.spans_dropped == 12 and e3.spans_dropped == 12
+        assert w.bus.drop_counts()["otel"] == 12
+        assert prom.registry.get_sample_value("kvalloc_events_dropped_total", {"sink": "otel"}) == 12.0
+        e2.shutdown(timeout_millis=3000)
+        e3.shutdown(timeout_millis=3000)
+        assert w.bus.drop_counts()["otel"] == 12  # the totals outlive the exporters
+    finally:
+        prom.close()
+        provider.shutdown()
