@@ -31,9 +31,14 @@ What is traced
   ERROR. Every event carries ``kv.step``. A plain ``alloc`` of one slot for a request that already holds KV is a
   decode (SGLang decodes with ``alloc(bs)`` at page size 1) and is counted as one.
 - At most ``max_events_per_span`` events per span: the first ``max_events_per_span - 1`` events are kept and the
-  last place is kept for ``kv.release``; every event beyond is counted in ``kv.events_dropped``. (The status and
-  ``kv.violations`` still count every violation.) Our own provider raises the SDK's event limit to match; a
-  provider you pass in must allow at least as many (the SDK default, 128, does for the default bound, 64).
+  last place is kept for ``kv.release``; every event beyond is counted in ``kv.events_dropped`` and in the span's
+  dropped events count (OTLP ``dropped_events_count``: the two agree). (The status and ``kv.violations`` still
+  count every violation.) The bound is the smaller of ``max_events_per_span`` and the span event limit: for our own
+  provider ``OTEL_SPAN_EVENT_COUNT_LIMIT`` when set (unset, the SDK's default of 128 is raised to
+  ``max_events_per_span`` when below it); for a provider you pass in, its ``SpanLimits.max_events`` (a limit below
+  ``max_events_per_span`` is logged once, naming both). So the SDK never evicts an event of ours (it would evict the
+  oldest, the prefill); should it do so anyway (a provider whose limits cannot be read), its evictions are added to
+  ``kv.events_dropped``.
 - A violation that names no request gets its own short ``kv.violation`` span (status ERROR, same attributes).
   One naming a request whose span already ended (a leak found by a later sweep) gets a ``kv.violation`` span in
   that request's trace, as a child of the ended span.
@@ -151,6 +156,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -198,6 +204,7 @@ _LEDGER_FIELDS = {
 _RECENT_ENDED = 4096
 _NONES = itertools.repeat(None)  # slots not read: no skipped free to look up
 _BSP_DEFAULT_QUEUE = 2048  # the SDK's default OTEL_BSP_MAX_QUEUE_SIZE
+_EVENT_LIMIT_ENV = "OTEL_SPAN_EVENT_COUNT_LIMIT"
 # Parents named by set_parent that wait for their request's first allocation, at most.
 _MAX_PARENTS = 65536
 _W3C = TraceContextTextMapPropagator()
@@ -1124,13 +1131,20 @@ class _Req:
         span = self.span
         if at_shutdown:
             span.set_attribute("kv.open_at_shutdown", True)
+        # Events the SDK itself evicted (a provider's limit we could not read: see _bound_by_provider_limits), and
+        # ours, counted in the span's dropped events too (an SDK span's bounded list), so that the two agree.
+        dropped = self.dropped + (getattr(span, "dropped_events", 0) or 0)
+        if self.dropped:
+            kept = getattr(span, "_events", None)
+            if isinstance(kept, BoundedList):
+                kept.dropped += self.dropped
         attrs = {
             "kv.allocated_len": self.allocated,
             "kv.committed_len": self.committed,
             "kv.swa_evicted_seqlen": self.evicted,
             "kv.violations": self.violations,
             "kv.decode_steps": self.decode_steps,
-            "kv.events_dropped": self.dropped,
+            "kv.events_dropped": dropped,
         }
         if peak is not None:
             attrs["kv.pages.peak"] = peak
@@ -1138,6 +1152,14 @@ class _Req:
             attrs["kv.pages.held_at_release"] = held
         span.set_attributes(attrs)
         span.end()
+
+
+def _with_dropped(events: list, dropped: int) -> BoundedList:
+    """``events`` as the SDK span's bounded list holding them, ``dropped`` more counted as dropped: what an SDK span
+    that dropped them would hand its exporters (``ReadableSpan.dropped_events``, OTLP ``dropped_events_count``)."""
+    kept = BoundedList.from_seq(None, events)
+    kept.dropped = dropped
+    return kept
 
 
 class _FastReq(_Req):
@@ -1185,6 +1207,8 @@ class _FastReq(_Req):
         events = self.events
         if attrs is not None:
             events.append(_make_event(EV_RELEASE, attrs, now))
+        if self.dropped:  # rare: the span's dropped events count says what kv.events_dropped says
+            events = _with_dropped(events, self.dropped)
         tracer = self.tracer
         tracer.processor.admit(
             _make_readable(
@@ -1241,7 +1265,7 @@ class _FastReq(_Req):
                 self.parent,
                 tracer.resource,
                 attrs,
-                self.events,
+                _with_dropped(self.events, self.dropped) if self.dropped else self.events,
                 (),
                 SpanKind.INTERNAL,
                 None,
@@ -1355,6 +1379,8 @@ class OtelExporter:
         if tracer_provider is None:
             tracer_provider = self._build_provider(endpoint, span_exporter, sampler)
         self._provider = tracer_provider
+        if not self._owns_provider:
+            self._bound_by_provider_limits(tracer_provider)
         self._tracer = tracer_provider.get_tracer(TRACER_NAME)
         self._fast = self._fast_tracer()
         # Tracing that can produce no span (the SDK disabled: a no-op tracer; our provider's sampler dropping every
@@ -1441,12 +1467,33 @@ class OtelExporter:
         self._counting = CountingBatchSpanProcessor(self._span_exporter)
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
-            limits = SpanLimits(max_events=self._max_events)
+            if _EVENT_LIMIT_ENV in os.environ:
+                # Set lower on purpose: it bounds our spans, by our policy (the first events and kv.release kept,
+                # the others counted in kv.events_dropped and the span's dropped events), so the SDK trims nothing.
+                self._max_events = limits.max_events
+            else:  # the SDK's default (128) below max_events_per_span: raised to it
+                limits = SpanLimits(max_events=self._max_events)
         self._limits = limits
         # sampler None: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default parentbased_always_on).
         provider = TracerProvider(resource=resource, span_limits=limits, sampler=sampler)
         provider.add_span_processor(self._counting)
         return provider
+
+    def _bound_by_provider_limits(self, provider) -> None:
+        """A provider passed in whose ``SpanLimits.max_events`` is below ``max_events_per_span``: the SDK would evict
+        a span's oldest events (its first prefill) past that limit. Our bound becomes the provider's limit instead
+        (our policy: the first events and ``kv.release`` kept, the rest counted), with one warning naming both."""
+        n = getattr(getattr(provider, "_span_limits", None), "max_events", None)
+        if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < self._max_events:
+            _logger.warning(
+                "tracer_provider's SpanLimits.max_events (%d) is below max_events_per_span (%d): each kv.request span "
+                "keeps at most %d events (the first ones and kv.release); the others are counted in "
+                "kv.events_dropped and in the span's dropped events count",
+                n,
+                self._max_events,
+                n,
+            )
+            self._max_events = n
 
     def _fast_tracer(self) -> _FastTracer | None:
         """Spans as ``_FastSpan`` records when they would come out the same as the SDK's: our own provider, enabled

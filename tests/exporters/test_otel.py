@@ -2661,3 +2661,157 @@ def test_exporters_sharing_one_counting_processor_count_its_losses_once(otel_env
     finally:
         prom.close()
         provider.shutdown()
+
+
+def _three_requests(w) -> None:
+    """a: prefill, decodes, release; b: prefill, a leak at its release (kv.violation), release; c: still open."""
+    a, b, c = Req("a"), Req("b"), Req("c")
+    extend(w, [a, b, c], [6, 9, 3])
+    w.step()
+    for _ in range(2):
+        decode(w, [a, b, c])
+        w.step()
+    w.free(t(a.row))
+    w.release_request("a")
+    w.release_request("b")  # leaks: a violation on b's span
+
+
+def _received_events(rx) -> dict:
+    """rid -> (event names, dropped_events_count, kv.events_dropped) of the request spans the receiver decoded."""
+    return {
+        rid: ([e.name for e in s.events], s.dropped_events_count, attrs["kv.events_dropped"])
+        for rid, (s, attrs) in rx.request_spans().items()
+    }
+
+
+@pytest.mark.parametrize("path", ["fast", "sdk"])
+def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env, path):
+    # OTEL_SPAN_EVENT_COUNT_LIMIT below max_events_per_span bounds our spans (before the fix the own provider raised
+    # it to max_events_per_span: 3 events under a limit of 2). The exporter's policy keeps the first events and
+    # kv.release; kv.events_dropped and the span's dropped_events_count agree.
+    from opentelemetry.sdk.trace import sampling as smp
+
+    class Unknown(smp.ParentBased):  # a sampler the fast path does not know: the SDK's spans
+        def should_sample(self, *args, **kwargs):
+            return super().should_sample(*args, **kwargs)
+
+    want = {
+        "2": {"a": (["kv.prefill", "kv.release"], 0, 0), "b": (["kv.prefill", "kv.release"], 1, 1)},
+        "0": {"a": ([], 2, 2), "b": ([], 3, 3)},
+        "unset": {
+            "a": (["kv.prefill", "kv.release"], 0, 0),
+            "b": (["kv.prefill", "kv.violation", "kv.release"], 0, 0),
+        },
+    }
+    for limit, expected in want.items():
+        rx = Receiver()
+        try:
+            otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
+            if limit == "unset":
+                otel_env.delenv("OTEL_SPAN_EVENT_COUNT_LIMIT", raising=False)  # the SDK's default, 128: raised to 64
+            else:
+                otel_env.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", limit)
+            w = paged()
+            exp = OtelExporter(w, sampler=Unknown(smp.ALWAYS_ON) if path == "sdk" else None)
+            assert (exp._fast is not None) is (path == "fast")
+            _three_requests(w)
+            exp.force_flush(timeout_millis=5000)
+            assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
+            assert _received_events(rx) == expected, limit
+            exp.shutdown(timeout_millis=5000)
+        finally:
+            rx.close()
+
+
+@pytest.mark.parametrize("path", ["fast", "sdk"])
+def test_events_beyond_the_bound_are_the_spans_dropped_events(otel_env, path):
+    # The default limits, max_events_per_span=3, five chunked prefills: the first two prefills and the release
+    # reach the collector; dropped_events_count says the 3 kv.events_dropped says (before the fix: 0).
+    from opentelemetry.sdk.trace import sampling as smp
+
+    class Unknown(smp.ParentBased):
+        def should_sample(self, *args, **kwargs):
+            return super().should_sample(*args, **kwargs)
+
+    rx = Receiver()
+    try:
+        w = paged()
+        exp = OtelExporter(
+            w, endpoint=rx.base, max_events_per_span=3, sampler=Unknown(smp.ALWAYS_ON) if path == "sdk" else None
+        )
+        a = Req("a")
+        for _ in range(5):
+            extend(w, [a], [4])
+            w.step()
+        b = Req("b")
+        for _ in range(4):
+            extend(w, [b], [4])
+        exp.shutdown(timeout_millis=5000)  # b is still open: ended by shutdown, through finish()
+        w.free(t(a.row))
+        assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
+        got = _received_events(rx)
+        assert got["a"] == (["kv.prefill", "kv.prefill"], 3, 3)  # a's release comes after the shutdown: none
+        assert got["b"] == (["kv.prefill", "kv.prefill"], 2, 2)
+    finally:
+        rx.close()
+
+
+def test_a_provider_with_a_lower_event_limit_bounds_our_spans_and_says_so(caplog):
+    # A tracer_provider passed in whose SpanLimits.max_events (3) is below max_events_per_span (64): one warning
+    # naming both, and our bound becomes 3, so the SDK evicts nothing (before the fix it evicted the first prefill
+    # and kv.events_dropped said 0 while 3 events were gone).
+    from opentelemetry.sdk.trace import SpanLimits
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=SpanLimits(max_events=3))
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    w = paged()
+    with caplog.at_level(logging.WARNING, logger="exporters.otel"):
+        exp = OtelExporter(w, tracer_provider=provider)
+    warnings = [r.getMessage() for r in caplog.records if "max_events" in r.getMessage()]
+    assert len(warnings) == 1 and "(3)" in warnings[0] and "(64)" in warnings[0]
+    a = Req("a")
+    for _ in range(5):
+        extend(w, [a], [5])
+        w.step()
+    w.free(t(a.row))
+    w.release_request("a")
+    (s,) = mem.get_finished_spans()
+    assert [(e.name, e.attributes["kv.step"]) for e in s.events] == [
+        ("kv.prefill", 0),
+        ("kv.prefill", 1),
+        ("kv.release", 5),
+    ]
+    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
+    exp.shutdown()
+    provider.shutdown()
+
+
+def test_events_the_sdk_evicts_anyway_are_counted():
+    # A provider whose limits the exporter cannot read (a wrapper hiding them): the SDK evicts the oldest events,
+    # and kv.events_dropped counts them with the span's dropped events count.
+    from opentelemetry.sdk.trace import SpanLimits
+
+    mem = InMemorySpanExporter()
+    inner = TracerProvider(span_limits=SpanLimits(max_events=2))
+    inner.add_span_processor(SimpleSpanProcessor(mem))
+
+    class Hiding:
+        def get_tracer(self, *args, **kwargs):
+            return inner.get_tracer(*args, **kwargs)
+
+        def force_flush(self, timeout_millis=30000):
+            return inner.force_flush(timeout_millis)
+
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=Hiding())
+    a = Req("a")
+    for _ in range(4):
+        extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    (s,) = mem.get_finished_spans()
+    assert [e.name for e in s.events] == ["kv.prefill", "kv.release"]
+    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
+    exp.shutdown()
+    inner.shutdown()
