@@ -130,7 +130,15 @@ path gets ``/v1/traces``, before its query if it has one). ``span_exporter=`` re
 provider (any ``SpanExporter``, e.g. an in-memory or console one; behind the same ``CountingBatchSpanProcessor``, so
 its failed exports are counted the same way). ``sampler=`` replaces ``OTEL_TRACES_SAMPLER``/``..._ARG`` for our own
 provider (an SDK ``Sampler``: the fast path takes every one ``_sampling_decision`` knows, e.g.
-``ParentBasedTraceIdRatio(0.1)``; any other gets the SDK's spans).
+``ParentBasedTraceIdRatio(0.1)``; any other gets the SDK's spans). ``OTEL_TRACES_EXPORTER`` picks the exporters
+of our own provider as the SDK's configuration reads it (``span_exporter=`` replaces it): unset, ``otlp``;
+``none``, none (tracing is then off, as above: nothing exported, nothing counted as lost); ``console``, the SDK's
+``ConsoleSpanExporter``; ``otlp`` by ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``:
+``http/protobuf`` (and unset: the specification's default, where the SDK's own configuration defaults to gRPC) our
+OTLP/HTTP exporter, ``grpc`` the SDK's gRPC exporter (package opentelemetry-exporter-otlp-proto-grpc; without it a
+``ValueError`` says so); ``otlp_proto_http``, ``otlp_proto_grpc`` or any name in the
+``opentelemetry_traces_exporter`` entry points; a comma list, one ``CountingBatchSpanProcessor`` each (losses
+summed). An unknown name or protocol raises ``ValueError`` naming the variable and its value.
 """
 
 from __future__ import annotations
@@ -146,6 +154,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
@@ -154,7 +163,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider, sampling
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -341,6 +350,78 @@ def _traces_url(endpoint: str) -> str:
     if parts.path in ("", "/"):
         return urlunsplit(parts._replace(path="/v1/traces"))
     return endpoint
+
+
+_TRACES_EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+_OTLP_PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+_OTLP_BY_PROTOCOL = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
+_GRPC_PACKAGE = "opentelemetry-exporter-otlp-proto-grpc"
+
+
+def _otlp_exporter_name() -> str:
+    """``otlp`` as the exporter ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` names:
+    ``otlp_proto_http`` for ``http/protobuf`` and when neither is set (the specification's default, and this
+    exporter's), ``otlp_proto_grpc`` for ``grpc``. Any other value raises ``ValueError`` naming it (the SDK's
+    configuration raises for it too)."""
+    for var in _OTLP_PROTOCOL_ENVS:
+        raw = os.environ.get(var)
+        if raw:
+            name = _OTLP_BY_PROTOCOL.get(raw.strip())
+            if name is None:
+                raise ValueError(
+                    f"{var}={raw!r}: unsupported OTLP protocol for traces (supported: {', '.join(_OTLP_BY_PROTOCOL)})"
+                )
+            return name
+    return "otlp_proto_http"
+
+
+def _env_span_exporters(endpoint: str | None) -> list:
+    """The span exporters ``OTEL_TRACES_EXPORTER`` names, as the SDK's configuration reads it: unset or empty,
+    ``otlp``; ``none`` (alone), none; otherwise a comma-separated list (each name once, in order) of ``otlp`` (by
+    ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL``: see ``_otlp_exporter_name``), ``otlp_proto_http`` (our
+    ``_OtlpSpanExporter``), ``otlp_proto_grpc`` (the SDK's gRPC exporter, from the package
+    opentelemetry-exporter-otlp-proto-grpc), ``console`` (the SDK's ``ConsoleSpanExporter``), or any other name
+    registered in the ``opentelemetry_traces_exporter`` entry point group. A name that is none of them raises
+    ``ValueError`` naming the variable and its value (the SDK's configuration raises for it too). ``endpoint``: the
+    OTLP exporters' endpoint (HTTP: ``_traces_url`` of it; gRPC: as given), None for theirs from the environment."""
+    raw = os.environ.get(_TRACES_EXPORTER_ENV, "")
+    if raw.strip().lower() == "none":
+        return []
+    names = [n.strip() for n in raw.split(",")] if raw.strip() else ["otlp"]
+    resolved: list = []
+    for name in names:
+        name = _otlp_exporter_name() if name == "otlp" else name
+        if name not in resolved:
+            resolved.append(name)
+    out = []
+    for name in resolved:
+        if name == "otlp_proto_http":
+            out.append(_OtlpSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None))
+        elif name == "otlp_proto_grpc":
+            try:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+            except ImportError as exc:
+                raise ValueError(
+                    f"{_TRACES_EXPORTER_ENV}={raw!r} with the OTLP protocol grpc needs the package {_GRPC_PACKAGE} "
+                    f"(pip install {_GRPC_PACKAGE}), which is not installed ({exc}); or set "
+                    f"{_OTLP_PROTOCOL_ENVS[0]}=http/protobuf"
+                ) from exc
+            out.append(GrpcExporter(endpoint=endpoint) if endpoint else GrpcExporter())
+        elif name == "console":
+            out.append(ConsoleSpanExporter())
+        else:
+            found = list(entry_points(group="opentelemetry_traces_exporter", name=name)) if name else []
+            if not found:
+                raise ValueError(
+                    f"{_TRACES_EXPORTER_ENV}={raw!r}: unknown span exporter {name!r} (known: otlp, otlp_proto_http, "
+                    "otlp_proto_grpc, console, none, or a name in the opentelemetry_traces_exporter entry points)"
+                )
+            out.append(found[0].load()())
+    return out
+
+
+def _no_loss() -> int:
+    return 0
 
 
 def _run_bounded(fn, timeout_s: float, name: str):
@@ -579,6 +660,35 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     @property
     def failed_exports(self) -> int:
         return self.counting.failed_exports
+
+
+class _CountingProcessors:
+    """Our own provider's ``CountingBatchSpanProcessor``s, one per exporter ``OTEL_TRACES_EXPORTER`` names, as one:
+    ``admit`` hands a span to each; the counts are their sums (a span lost by two exporters counts twice: each
+    exporter's loss is one)."""
+
+    def __init__(self, processors: list):
+        self.processors = processors
+
+    def admit(self, span) -> None:
+        for p in self.processors:
+            p.admit(span)
+
+    @property
+    def queue_full(self) -> int:
+        return sum(p.queue_full for p in self.processors)
+
+    @property
+    def dropped(self) -> int:
+        return sum(p.dropped for p in self.processors)
+
+    @property
+    def exported(self) -> int:
+        return sum(p.exported for p in self.processors)
+
+    @property
+    def failed_exports(self) -> int:
+        return sum(p.failed_exports for p in self.processors)
 
 
 # -- OTLP encoding ----------------------------------------------------------------------------------------------
@@ -1373,7 +1483,7 @@ class OtelExporter:
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
-        self._span_exporter = None
+        self._span_exporters: list = []  # our own provider's, each a CountingSpanExporter
         self._counting = counting_exporter
         self._limits: SpanLimits | None = None
         if tracer_provider is None:
@@ -1385,8 +1495,10 @@ class OtelExporter:
         self._fast = self._fast_tracer()
         # Tracing that can produce no span (the SDK disabled: a no-op tracer; our provider's sampler dropping every
         # span of ours): the exporter then subscribes to nothing and costs the engine nothing.
-        self._off = isinstance(self._tracer, trace.NoOpTracer) or (
-            self._fast is not None and self._fast.roots is not None and _samples_nothing(tracer_provider.sampler)
+        self._off = (
+            isinstance(self._tracer, trace.NoOpTracer)
+            or (self._fast is not None and self._fast.roots is not None and _samples_nothing(tracer_provider.sampler))
+            or (self._owns_provider and self._counting is None)  # OTEL_TRACES_EXPORTER=none: nothing to export to
         )
         self._lock = threading.RLock()
         self._open: dict = {}
@@ -1454,17 +1566,24 @@ class OtelExporter:
             # losses once (the processor's total, which includes its exporter's).
             key = counting.counting if isinstance(counting, CountingBatchSpanProcessor) else counting
             alloc.bus.add_loss_counter(self.name, lambda: counting.dropped, key=key)
+        elif self._owns_provider:  # OTEL_TRACES_EXPORTER=none: nothing is exported, so nothing is lost (0, listed)
+            alloc.bus.add_loss_counter(self.name, _no_loss, key=_no_loss)
 
     def _build_provider(self, endpoint: str | None, span_exporter: SpanExporter | None, sampler) -> TracerProvider:
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
-        if span_exporter is None:
-            span_exporter = _OtlpSpanExporter(endpoint=_traces_url(endpoint) if endpoint else None)
-        self._span_exporter = (
-            span_exporter if isinstance(span_exporter, CountingSpanExporter) else CountingSpanExporter(span_exporter)
-        )
-        self._counting = CountingBatchSpanProcessor(self._span_exporter)
+        exporters = _env_span_exporters(endpoint) if span_exporter is None else [span_exporter]
+        self._span_exporters = [
+            e if isinstance(e, CountingSpanExporter) else CountingSpanExporter(e) for e in exporters
+        ]
+        # One batch processor per exporter, as the SDK's configuration builds them (OTEL_TRACES_EXPORTER=a,b);
+        # none for OTEL_TRACES_EXPORTER=none (tracing is then off: nothing would be exported).
+        processors = [CountingBatchSpanProcessor(e) for e in self._span_exporters]
+        if len(processors) == 1:
+            self._counting = processors[0]
+        elif processors:
+            self._counting = _CountingProcessors(processors)
         limits = SpanLimits()
         if limits.max_events is not None and limits.max_events < self._max_events:
             if _EVENT_LIMIT_ENV in os.environ:
@@ -1476,7 +1595,8 @@ class OtelExporter:
         self._limits = limits
         # sampler None: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (default parentbased_always_on).
         provider = TracerProvider(resource=resource, span_limits=limits, sampler=sampler)
-        provider.add_span_processor(self._counting)
+        for processor in processors:
+            provider.add_span_processor(processor)
         return provider
 
     def _bound_by_provider_limits(self, provider) -> None:
@@ -1501,7 +1621,7 @@ class OtelExporter:
         ``OTEL_TRACES_SAMPLER`` names) and limits that trim nothing of ours. Otherwise None: the SDK's spans, which
         apply the sampler and limits."""
         limits = self._limits
-        if not self._owns_provider or limits is None or type(self._tracer) is not Tracer:
+        if not self._owns_provider or limits is None or type(self._tracer) is not Tracer or self._counting is None:
             return None
         sampler = self._provider.sampler
         decide = _sampling_decision(sampler)
@@ -1629,10 +1749,11 @@ class OtelExporter:
         if not self._owns_provider:
             return self.force_flush(timeout_millis)
         done, _ = _run_bounded(self._provider.shutdown, timeout_s, "shutdown")
-        if not done and self._span_exporter is not None:
+        if not done:
             # Abandon what is still queued: the worker's further exports fail at once instead of retrying. Not
             # waited for: an exporter whose shutdown waits for its hanging export must not hold us past the time.
-            _run_bounded(self._span_exporter.shutdown, 0.0, "span exporter shutdown")
+            for exporter in self._span_exporters:
+                _run_bounded(exporter.shutdown, 0.0, "span exporter shutdown")
         return done
 
     # -- the sink ---------------------------------------------------------------------------------------------

@@ -1804,9 +1804,9 @@ def test_own_provider_exports_with_the_direct_encoder(otel_env):
 
     w = paged()
     exp = OtelExporter(w, endpoint=f"http://127.0.0.1:{_free_port()}")
-    assert type(exp._span_exporter.inner) is _OtlpSpanExporter and exp._span_exporter.inner._direct
+    assert type(exp._span_exporters[0].inner) is _OtlpSpanExporter and exp._span_exporters[0].inner._direct
     exp.shutdown(timeout_millis=2000)
-    assert exp._span_exporter.inner.export([]) is SpanExportResult.FAILURE  # shut down: the SDK's answer
+    assert exp._span_exporters[0].inner.export([]) is SpanExportResult.FAILURE  # shut down: the SDK's answer
 
     # A request over max_request_size is dropped before anything is sent, as the SDK's exporter drops it.
     mem = InMemorySpanExporter()
@@ -2815,3 +2815,146 @@ def test_events_the_sdk_evicts_anyway_are_counted():
     assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
     exp.shutdown()
     inner.shutdown()
+
+
+def _console_spans(text: str) -> list:
+    """The spans the SDK's ConsoleSpanExporter printed (one JSON object per span), as (name, kv.request.id)."""
+    import json
+
+    out, i, dec = [], 0, json.JSONDecoder()
+    while True:
+        i = text.find("{", i)
+        if i < 0:
+            return sorted(out, key=str)
+        obj, i = dec.raw_decode(text, i)
+        out.append((obj["name"], obj["attributes"].get("kv.request.id")))
+
+
+def test_traces_exporter_none_exports_nothing_and_loses_nothing(otel_env):
+    # OTEL_TRACES_EXPORTER=none with a collector that is down: before the fix every span was sent over OTLP/HTTP
+    # anyway and counted as lost; now tracing is off (nothing would be exported), nothing sent, nothing counted.
+    rx = Receiver()
+    try:
+        otel_env.setenv("OTEL_TRACES_EXPORTER", "none")
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
+        w = paged()
+        exp = OtelExporter(w)
+        assert w.bus.sinks == () and exp.trace_id_for("a") is None
+        _three_requests(w)
+        assert exp.shutdown(timeout_millis=3000)
+        time.sleep(0.2)
+        assert rx.span_count() == 0 and rx.hits == 0
+        assert w.bus.drop_counts()["otel"] == 0 and exp.spans_dropped == 0
+        assert all(v.trace_id is None for v in w.violations)
+    finally:
+        rx.close()
+
+
+def test_traces_exporter_console_and_lists(otel_env, monkeypatch):
+    # console: the SDK's ConsoleSpanExporter (stdout), nothing over OTLP; "otlp,console": both get every span.
+    import io
+
+    import exporters.otel as otel_mod
+
+    sdk_console = otel_mod.ConsoleSpanExporter
+    out = io.StringIO()
+    # The SDK's exporter binds sys.stdout at import: here it writes to ``out``.
+    monkeypatch.setattr(otel_mod, "ConsoleSpanExporter", lambda: sdk_console(out=out))
+
+    def printed():
+        text = out.getvalue()
+        out.seek(0)
+        out.truncate()
+        return _console_spans(text)
+
+    rx = Receiver()
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
+        otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
+        w = paged()
+        exp = OtelExporter(w)
+        _three_requests(w)
+        assert exp.shutdown(timeout_millis=3000)
+        assert printed() == [("kv.request", "a"), ("kv.request", "b"), ("kv.request", "c")]
+        assert rx.hits == 0 and w.bus.drop_counts()["otel"] == 0
+
+        otel_env.setenv("OTEL_TRACES_EXPORTER", " otlp , console,otlp")  # each name once, as the SDK reads it
+        otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        w = paged()
+        exp = OtelExporter(w)
+        _three_requests(w)
+        assert exp.shutdown(timeout_millis=3000)
+        assert printed() == [("kv.request", "a"), ("kv.request", "b"), ("kv.request", "c")]
+        assert rx.wait_for(lambda r: r.span_count() >= 3)
+        got = {rid: [e.name for e in s.events] for rid, (s, _) in rx.request_spans().items()}
+        assert got == {
+            "a": ["kv.prefill", "kv.release"],
+            "b": ["kv.prefill", "kv.violation", "kv.release"],
+            "c": ["kv.prefill"],
+        }
+        assert rx.span_count() == 3 and exp._counting.exported == 6 and w.bus.drop_counts()["otel"] == 0
+    finally:
+        rx.close()
+
+
+def test_otlp_protocol_grpc_exports_over_grpc(otel_env):
+    # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: the SDK's gRPC exporter (installed here), to a real gRPC
+    # TraceService; nothing goes to the OTLP/HTTP receiver.
+    from concurrent import futures
+
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    got = []
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    got.extend(ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # the traces variable first, as in the SDK
+        otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        w = paged()
+        exp = OtelExporter(w, endpoint=f"http://127.0.0.1:{port}")
+        _three_requests(w)
+        assert exp.shutdown(timeout_millis=10000)
+        spans = {}
+        for s in got:
+            attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in s.attributes}
+            spans[attrs["kv.request.id"]] = ([e.name for e in s.events], attrs["kv.violations"])
+        assert spans == {
+            "a": (["kv.prefill", "kv.release"], 0),
+            "b": (["kv.prefill", "kv.violation", "kv.release"], 1),
+            "c": (["kv.prefill"], 0),
+        }
+        assert exp._counting.exported == 3 and w.bus.drop_counts()["otel"] == 0
+    finally:
+        server.stop(0)
+
+
+def test_traces_exporter_errors_name_the_variable(otel_env, monkeypatch):
+    import sys
+
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "zipkin_nope")
+    with pytest.raises(ValueError, match=r"OTEL_TRACES_EXPORTER='zipkin_nope': unknown span exporter 'zipkin_nope'"):
+        OtelExporter(paged())
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL='http/json': unsupported OTLP protocol"):
+        OtelExporter(paged())
+    # grpc without its package: a clear error naming the package and the variable.
+    otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    w = paged()
+    with pytest.raises(ValueError, match=r"opentelemetry-exporter-otlp-proto-grpc.*OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        OtelExporter(w)
+    assert w.bus.sinks == ()
