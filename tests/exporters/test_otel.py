@@ -2902,8 +2902,13 @@ def test_otlp_protocol_grpc_exports_over_grpc(otel_env):
     # TraceService; nothing goes to the OTLP/HTTP receiver.
     from concurrent import futures
 
-    grpc = pytest.importorskip("grpc")
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+    from tests.ci import missing
+
+    try:
+        import grpc
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+    except ImportError as exc:
+        missing(f"OTLP/gRPC export needs opentelemetry-exporter-otlp-proto-grpc and grpcio (sglang-compat): {exc}")
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
     got = []
