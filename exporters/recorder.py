@@ -60,6 +60,14 @@ transaction, so a reader opened while the writer runs sees each new commit. A fi
 SQLite, empty, SQLite without our tables or format) raises ``RecordingError`` (a ``ValueError``) naming the file;
 a missing file ``RecordingNotFoundError`` (also a ``FileNotFoundError``). A recording cut off mid-write (killed
 writer) reads up to its last complete transaction. ``state_at`` follows ``instrumented_alloc.replay``'s contract.
+A damaged recording raises ``RecordingError`` naming the file, never a bare exception and never another step's
+state: at open, the meta values the readers use (types, the kinds every recording holds, the pools) and a few index
+seeks (the first and last blocks indexed in ``segments``, kind codes within meta ``kinds``); a block that does not
+decode (the block's seq named); a snapshot that does not decode or does not match the run's pools (one row per
+pool, owner arrays of ``num_pages + 1`` entries); events indexed in ``segments`` whose block is not stored
+(``events``, ``state_at``: the missing seq range named); a replay that does not end at the step's boundary. Not
+detected: a block deleted together with its ``segments`` rows in the middle of the history, a payload altered into
+another valid one (there is no checksum), emptied ``rids``.
 Request ids round-trip when they are ``str`` or ``int``; other ids are stored as their ``repr``.
 
 Hashed request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a
@@ -1813,6 +1821,93 @@ class FlightRecorder:
 
 
 # -- reader -------------------------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _meta_problem(meta: Mapping) -> str | None:
+    """What is wrong with the run metadata the readers use (None: nothing): the keys the writer always writes are
+    there, and every value a reader uses has the type the writer writes (a damaged value is refused at open, not a
+    bare TypeError at a later use). Kind names the reader does not know are allowed (a newer writer's kinds)."""
+    for key in ("pools", "page_size", "kinds"):
+        if key not in meta:
+            return f"no {key} in its meta table"
+    kinds = meta["kinds"]
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        return f"meta kinds is not a list of event kind names: {_short(kinds)}"
+    if len(set(kinds)) != len(kinds):
+        return "meta kinds names a kind twice"
+    absent = [k for k in _STATE_KINDS if k not in kinds]
+    if absent:
+        return f"meta kinds lacks {', '.join(absent)} (every recording's kinds hold them)"
+    pools = meta["pools"]
+    if not isinstance(pools, list) or not pools:
+        return f"meta pools is not a list of pools: {_short(pools)}"
+    names = set()
+    for p in pools:
+        if not (
+            isinstance(p, dict)
+            and isinstance(p.get("name"), str)
+            and _is_int(p.get("num_pages"))
+            and p["num_pages"] >= 0
+            and _is_int(p.get("page_size"))
+            and p["page_size"] >= 1
+        ):
+            return f"meta pools holds a pool that is not {{name, num_pages, page_size}}: {_short(p)}"
+        if p["name"] in names:
+            return f"meta pools names pool {p['name']!r} twice"
+        names.add(p["name"])
+    checks = (
+        ("page_size", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+        ("sliding_window", lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
+        ("initial_step", lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        ("snapshot_every", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+        ("max_events", lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
+        ("max_bytes", lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
+        ("events_dropped", lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        ("events_lost", lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        ("violations_dropped", lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        ("start_time", _is_number, "a number"),
+        ("end_time", _is_number, "a number"),
+        ("mode", lambda v: v is None or isinstance(v, str), "null or a string"),
+        ("request_ids", lambda v: isinstance(v, dict), "an object"),
+    )
+    for key, ok, what in checks:
+        if key in meta and not ok(meta[key]):
+            return f"meta {key} is not {what}: {_short(meta[key])}"
+    return None
+
+
+def _is_stored_rid(r) -> bool:
+    """A request id as the writer stores it (``_rid``): str, int or None."""
+    return r is None or isinstance(r, str) or _is_int(r)
+
+
+def _violation_row_ok(row) -> bool:
+    """A violations row (invariant, message, pool, rid, step, op, ts, trace_id, severity) as the writer writes it."""
+    i, m, p, r, s, o, t, tr, sv = row
+    return (
+        type(i) is str
+        and type(m) is str
+        and type(o) is str
+        and type(sv) is str
+        and _is_int(s)
+        and _is_number(t)
+        and (p is None or type(p) is str)
+        and (tr is None or type(tr) is str)
+        and _is_stored_rid(r)
+    )
+
+
+def _short(v, n: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
 class Recording:
     """A flight recording, read-only (see the module contract). Safe to share between threads."""
 
@@ -1836,7 +1931,9 @@ class Recording:
             meta = self._read_meta()
             if meta.get("format") != FORMAT:
                 raise RecordingError(f"{p} is not a flight recording (format {meta.get('format')!r})")
-            version = int(meta.get("format_version", 0))
+            version = meta.get("format_version")
+            if not _is_int(version):
+                raise RecordingError(f"{p} is not a flight recording (format_version {version!r} is not an integer)")
             if version != FORMAT_VERSION:
                 raise RecordingVersionError(
                     f"{p}: recording format version {meta.get('format_version')} is "
@@ -1847,15 +1944,23 @@ class Recording:
             missing = sorted(_TABLES - tables)
             if missing:
                 raise RecordingError(f"{p} is not a flight recording (no table {', '.join(missing)})")
+            problem = _meta_problem(meta)
+            if problem is not None:
+                raise RecordingError(f"{p}: unusable flight recording: {problem}")
             kinds = meta["kinds"]
             self._classes = _classes_of(kinds)
             self._codes = {k: i for i, k in enumerate(kinds)}
             self._state_mask = self._mask(_STATE_KINDS)
             self._state_classes = frozenset(c for c in self._classes if c is not None and c.__name__ in _STATE_KINDS)
+            self._pool_names = tuple(p["name"] for p in meta["pools"])
+            with self._read() as conn:
+                problem = self._index_problem(conn, len(kinds))
+            if problem is not None:
+                raise RecordingError(f"{p}: unusable flight recording: {problem}")
         except RecordingError:
             self._conn.close()
             raise
-        except (sqlite3.DatabaseError, ValueError, TypeError) as exc:
+        except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
             self._conn.close()
             raise RecordingError(f"{p} is not a flight recording ({exc})") from exc
 
@@ -1882,6 +1987,37 @@ class Recording:
             yield
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise RecordingError(f"{self.path}: {what} cannot be read ({type(exc).__name__}: {exc})") from exc
+
+    @staticmethod
+    def _index_problem(conn, n_kinds: int) -> str | None:
+        """What the index tables say that cannot be (None: nothing), by a few index seeks: a kind code beyond the
+        meta ``kinds``, a first or last block without its segments (an emptied or cut ``segments``), the newest
+        segment's block missing. Holes in the middle are found where a query crosses them (``_missing_blocks``)."""
+        top = conn.execute("SELECT max(kinds) FROM kindsets").fetchone()[0]
+        if top is not None and (not _is_int(top) or top < 0 or top >> n_kinds):
+            return f"its blocks use event kind codes that meta kinds ({n_kinds} kinds) does not name"
+        for end in ("min", "max"):
+            b = conn.execute(f"SELECT {end}(seq) FROM blocks").fetchone()[0]
+            s = conn.execute(
+                f"SELECT block FROM segments ORDER BY seq {'DESC' if end == 'max' else ''} LIMIT 1"
+            ).fetchone()
+            if (b is None) != (s is None) or (b is not None and s[0] != b and end == "max"):
+                return (
+                    f"its segments table does not index its blocks (the {'last' if end == 'max' else 'first'} "
+                    f"block has seq {b}, the {'last' if end == 'max' else 'first'} segment's block is "
+                    f"{None if s is None else s[0]})"
+                )
+            if b is not None and conn.execute(
+                "SELECT 1 FROM segments WHERE seq = ? AND block = ?", (b, b)
+            ).fetchone() is None:
+                return f"its segments table does not index the block at seq {b}"
+            k = conn.execute(
+                f"SELECT kinds FROM segments ORDER BY seq {'DESC' if end == 'max' else ''} LIMIT 1"
+            ).fetchone()
+            if k is not None and conn.execute("SELECT 1 FROM kindsets WHERE kinds = ?", k).fetchone() is None:
+                which = "last" if end == "max" else "first"
+                return f"its kindsets table lacks the kinds {k[0]!r} of its {which} segment"
+        return None
 
     def _read_meta(self) -> dict:
         out = {}
@@ -1925,16 +2061,28 @@ class Recording:
         """Run metadata: pools (name, num_pages, page_size), page_size, sliding_window, start_time, initial_step,
         the caller's ``meta=`` (preset, version, rank, ...) and, once closed, end_time / events_dropped."""
         with self._read():
-            return self._read_meta()
+            meta = self._read_meta()
+        problem = _meta_problem(meta)
+        if problem is not None:
+            raise RecordingError(f"{self.path}: unusable flight recording: {problem}")
+        return meta
 
     def steps(self) -> tuple[int, int]:
         """(first, last): the range of steps ``state_at`` can answer (first: the oldest kept snapshot)."""
         with self._read() as conn:
-            first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-            last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
-            top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
+            first, last = self._steps(conn)
         if first is None:
             raise RecordingError(f"{self.path}: the recording has no snapshot")
+        return first, last
+
+    def _steps(self, conn) -> tuple:
+        """(first, last) of ``steps()``; (None, None) without a snapshot. One answer for ``steps`` and the
+        messages of ``state_at``."""
+        first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
+        last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
+        top = conn.execute("SELECT max(step) FROM snapshots").fetchone()[0]
+        if first is None:
+            return None, None
         with self._parsing("the step range"):
             return int(first), int(max(x for x in (last, top) if x is not None))
 
@@ -1957,6 +2105,9 @@ class Recording:
                 rows = conn.execute(f"{sql}{where} ORDER BY seq", args).fetchall()
             else:
                 rows = conn.execute(f"{sql}{where} ORDER BY seq DESC LIMIT ?", [*args, newest]).fetchall()[::-1]
+        bad = next((r for r in rows if not _violation_row_ok(r)), None)
+        if bad is not None:
+            raise RecordingError(f"{self.path}: a violation row holds values the recorder never writes: {_short(bad)}")
         return [
             Violation(invariant=i, message=m, pool=p, rid=r, step=s, op=o, ts=t, trace_id=tr, severity=sv)
             for i, m, p, r, s, o, t, tr, sv in rows
@@ -1999,11 +2150,25 @@ class Recording:
         where.append("seq > ?")
         # One block more than a chunk: the next chunk must begin with it, or retention deleted it in between.
         sql = f"SELECT seq, step, payload FROM blocks WHERE {' AND '.join(where)} ORDER BY seq LIMIT {_READ_BLOCKS + 1}"
+        # The segments of the same range: a block they index that is not stored was deleted (damage), not skipped.
+        swhere, sargs = "", []
+        if start is not None:
+            swhere += " AND s.step >= ?"
+            sargs.append(start)
+        if stop is not None:
+            swhere += " AND s.step < ?"
+            sargs.append(stop)
+        if mask:
+            swhere += f" AND s.kinds & {mask} != 0"
         after = -(2**62)
         expect = None
         while True:
             with self._read() as conn:
                 rows = conn.execute(sql, [*args, after]).fetchall()
+                # Up to the next chunk's first block (or the end): holes between the blocks read and after them.
+                upto = rows[_READ_BLOCKS][0] - 1 if len(rows) > _READ_BLOCKS else 2**62
+                if expect is None or (rows and rows[0][0] == expect):
+                    self._missing_block(conn, after, upto, swhere, sargs)
             if expect is not None and (not rows or rows[0][0] != expect):
                 raise replay.IncompleteHistory(
                     f"{self.path}: retention deleted the events from seq {expect} on while they were being read "
@@ -2019,16 +2184,37 @@ class Recording:
             after = rows[_READ_BLOCKS - 1][0]
 
     def _decode(self, seq, step, payload, wanted=None, lo=None, hi=None, last=None) -> list[ev.Event]:
+        # Whatever a damaged payload makes the decoder raise (numpy's dtype parser raises SyntaxError, a huge
+        # length OverflowError or MemoryError, a deep JSON document RecursionError): one block, one try.
         try:
             return _decode_block(payload, seq, step, self._classes, wanted, lo, hi, last)
-        except (ValueError, TypeError, KeyError, IndexError, zlib.error, struct.error) as exc:
-            raise RecordingError(f"{self.path}: the events from seq {seq} cannot be decoded: {exc}") from exc
+        except Exception as exc:
+            raise RecordingError(
+                f"{self.path}: the events of the block at seq {seq} cannot be decoded ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _missing_block(self, conn, after: int, upto: int, where: str = "", args: Sequence = ()) -> None:
+        """Raise ``RecordingError`` when a segment with ``after < seq <= upto`` (and ``where``) indexes a block that
+        is not stored: its events were deleted (not by retention, which deletes a block with its segments)."""
+        row = conn.execute(
+            f"SELECT s.block FROM segments s WHERE s.seq > ? AND s.seq <= ?{where} "
+            "AND NOT EXISTS (SELECT 1 FROM blocks b WHERE b.seq = s.block) ORDER BY s.seq LIMIT 1",
+            (after, upto, *args),
+        ).fetchone()
+        if row is not None:
+            last = conn.execute("SELECT max(last) FROM segments WHERE block = ?", (row[0],)).fetchone()[0]
+            raise RecordingError(
+                f"{self.path}: the events of seq {row[0]}..{last} are missing (their block is indexed in segments "
+                "but not stored): the recording is damaged"
+            )
 
     def state_at(self, step: int) -> ReplayState:
         """Pages and ledger at step ``step``: the nearest snapshot at or before it plus the events up to that
         step's boundary (``instrumented_alloc.replay``). ValueError when the step is not in the recording (or
         retention removed it); ``replay.IncompleteHistory`` when events between the base and the step were lost,
-        the step's own boundary among them."""
+        the step's own boundary among them; ``RecordingError`` naming the file when what the replay needs is
+        damaged (a snapshot that does not decode or does not match the run's pools, events indexed but not stored,
+        a replay that does not end at the step's boundary): never the state of another step."""
         step = int(step)
         with self._read() as conn:
             end = conn.execute(
@@ -2042,49 +2228,103 @@ class Recording:
                 ).fetchone()
             base_seq = row[0]
             if base_seq is None:
-                first = conn.execute("SELECT min(step) FROM snapshots").fetchone()[0]
-                last = conn.execute("SELECT max(step) FROM segments WHERE boundary IS NOT NULL").fetchone()[0]
-                last = first if last is None else last
+                first, last = self._steps(conn)
                 if first is not None and first <= step <= last:
                     # Inside the range, yet no boundary: the batch that carried it was refused (the queue was full).
                     raise replay.IncompleteHistory(
                         f"{self.path}: step {step}: its step boundary was lost with the events around it (the "
                         f"recorder's queue was full), so its state cannot be rebuilt (steps {first}..{last})"
                     )
-                raise ValueError(f"{self.path}: step {step} is not in the recording (steps {first}..{last})")
+                raise ValueError(
+                    f"{self.path}: step {step} is not in the recording"
+                    + (" (it has no snapshot)" if first is None else f" (steps {first}..{last})")
+                )
             snap_rows = conn.execute(
-                "SELECT step, pool, owner, ledger FROM snapshots WHERE seq = ? ORDER BY rowid", (base_seq,)
+                "SELECT step, pool, num_pages, owner, ledger FROM snapshots WHERE seq = ? ORDER BY rowid", (base_seq,)
             ).fetchall()
             rows = []
             if end is not None:
+                with self._parsing("the step boundaries"):
+                    end = int(end)
                 # From the block holding the first event after the base (blocks do not overlap) to the one
-                # holding the boundary; blocks with no state-changing event are skipped.
+                # holding the boundary; blocks with no state-changing event are skipped. Every block the segments
+                # index in that range must be there.
                 lo = conn.execute("SELECT max(seq) FROM blocks WHERE seq <= ?", (base_seq + 1,)).fetchone()[0]
+                self._missing_block(conn, base_seq, end)
                 rows = conn.execute(
                     "SELECT seq, step, payload FROM blocks WHERE seq >= ? AND seq <= ? AND kinds & ? != 0 "
                     "ORDER BY seq",
                     (base_seq + 1 if lo is None else lo, end, self._state_mask),
                 ).fetchall()
-        state = self._base(base_seq, snap_rows)
+        state = self._base(base_seq, snap_rows, self._pool_names)
         events = (e for s, st, p in rows for e in self._decode(s, st, p, self._state_classes, last=end))
         try:
-            return replay.apply(state, events, inplace=True)
+            state = replay.apply(state, events, inplace=True)
         except replay.IncompleteHistory as exc:
             raise replay.IncompleteHistory(f"{self.path}: step {step}: {exc}") from exc
+        except RecordingError:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+            # Events that do not fit the state (a pool the base lacks, pages outside a pool): damaged history.
+            raise RecordingError(f"{self.path}: step {step} cannot be replayed from the snapshot at seq "
+                                 f"{base_seq}: {exc}") from exc
+        if end is not None and (state.seq != end or state.step != step):
+            raise RecordingError(
+                f"{self.path}: step {step}: the replay from the snapshot at seq {base_seq} ended at seq {state.seq} "
+                f"(step {state.step}), not at the step's boundary (seq {end}): the events of seq "
+                f"{state.seq + 1}..{end} are missing or damaged"
+            )
+        if end is None and state.step != step:
+            raise RecordingError(f"{self.path}: the snapshot at seq {base_seq} of step {step} says step {state.step}")
+        return state
 
-    def _base(self, seq: int, rows) -> ReplayState:
+    def _base(self, seq: int, rows, pools: Iterable[str]) -> ReplayState:
+        """The state a snapshot's rows hold, checked against the run's pools (meta ``pools``: names; each owner
+        array as long as its row's ``num_pages`` says) and the shape the writer gives its ledger document."""
         try:
-            owners = {pool: _decode_owner(owner) for _, pool, owner, _ in rows}
-            doc = _unpack(rows[0][3])
-        except (ValueError, zlib.error, struct.error) as exc:
-            raise RecordingError(f"{self.path}: snapshot {seq} cannot be decoded: {exc}") from exc
+            names = sorted(pools)
+            got = sorted(r[1] for r in rows)
+            if got != names:
+                raise ValueError(f"it holds pools {got}, the run has {names}")
+            owners = {}
+            for _, pool, num_pages, owner, _ in rows:
+                if not isinstance(owner, bytes):
+                    raise ValueError(f"the owner array of pool {pool!r} is not a blob")
+                a = _decode_owner(owner)
+                if not _is_int(num_pages) or a.size != num_pages + 1:
+                    raise ValueError(f"pool {pool!r} has {a.size} owner entries for {num_pages!r} pages")
+                owners[pool] = a
+            ledger_blob = rows[0][4]
+            if not isinstance(ledger_blob, bytes):
+                raise ValueError("the ledger is not a blob")
+            doc = _unpack(ledger_blob)
+            if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not isinstance(
+                doc.get("slot_rids"), list
+            ):
+                raise ValueError("the ledger document is not {rows, slot_rids}")
+            ledger, slot_rids, rid_slots = {}, {}, {}
+            for r in doc["rows"]:
+                if not (isinstance(r, list) and len(r) == 5 and _is_stored_rid(r[0]) and all(map(_is_int, r[1:]))):
+                    raise ValueError(f"a ledger row is not [request id, slot, allocated, committed, evicted]: "
+                                     f"{_short(r)}")
+                rid, slot, a, c, x = r
+                ledger[rid] = replay.LedgerRow(a, c, x)
+                rid_slots[rid] = slot  # the live requests' own slots
+            for r in doc["slot_rids"]:
+                if not (isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_stored_rid(r[1])):
+                    raise ValueError(f"a slot owner is not [slot, request id]: {_short(r)}")
+                slot_rids[r[0]] = r[1]
+            for rid, slot, _, _, _ in doc["rows"]:  # the ledger's own slots name their requests
+                slot_rids[slot] = rid
+            step = rows[0][0]
+            if not _is_int(step) or any(r[0] != step for r in rows):
+                raise ValueError(f"its rows' steps differ or are not integers ({_short([r[0] for r in rows])})")
+        except Exception as exc:  # whatever the stored bytes make the decoders raise (RecursionError included)
+            raise RecordingError(
+                f"{self.path}: the snapshot at seq {seq} cannot be used ({type(exc).__name__}: {exc})"
+            ) from exc
         return ReplayState(
-            step=int(rows[0][0]),
-            seq=int(seq),
-            owners=owners,
-            ledger={r: replay.LedgerRow(a, c, x) for r, _, a, c, x in doc["rows"]},
-            slot_rids={int(s): r for s, r in doc["slot_rids"]} | {int(s): r for r, s, _, _, _ in doc["rows"]},
-            rid_slots={r: int(s) for r, s, _, _, _ in doc["rows"]},  # the live requests' own slots
+            step=step, seq=int(seq), owners=owners, ledger=ledger, slot_rids=slot_rids, rid_slots=rid_slots
         )
 
     # -- aggregates and ranges (for front ends such as the dashboard: SQL does the counting, nothing here loads

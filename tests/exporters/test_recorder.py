@@ -1273,3 +1273,219 @@ def test_batches_refused_at_the_end_get_their_marker_at_close(tmp_path, monkeypa
         assert marker.step == 2 and r.steps() == (0, 2)
         with pytest.raises(IncompleteHistory):
             replay.apply(r.state_at(2), r.events(start=2, stop=3))
+
+
+# -- (h) damaged recordings: a clear error naming the file, never a bare exception or another step's state -----------
+@pytest.fixture(scope="module")
+def damaged_src(tmp_path_factory):
+    """A real recording (two pools, snapshots at steps 0, 50, 100, blocks of 512 events) and the live snapshots."""
+    path = tmp_path_factory.mktemp("damaged") / "good.db"
+    e = Engine("swa-4", False, "immediate")
+    snaps: dict = {}
+    with FlightRecorder(e.w, path, snapshot_every=50) as rec:
+        drive(e, RandomPick(5), 600, lambda e: snaps.__setitem__(e.w.step_count, e.w.snapshot()))
+    assert rec.failed is None and e.w.step_count >= 100
+    return path, snaps
+
+
+def damaged(src, tmp_path, *sql, params=()):
+    """A copy of ``src`` with ``sql`` applied by plain sqlite3 (statement i with ``params[i]``)."""
+    bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}.db"
+    with sqlite3.connect(src) as s, sqlite3.connect(bad) as d:
+        s.backup(d)
+    with sqlite3.connect(bad) as c:
+        for i, stmt in enumerate(sql):
+            c.execute(stmt, params[i] if i < len(params) else ())
+    return bad
+
+
+def _raises(cls, message, fn, *args):
+    """``fn(*args)`` raises exactly ``cls`` with a message that starts with ``message``."""
+    with pytest.raises(Exception) as info:
+        fn(*args)
+    assert type(info.value) is cls, (type(info.value), info.value)
+    assert str(info.value).startswith(message), str(info.value)
+    return info.value
+
+
+def test_state_at_refuses_a_history_with_missing_blocks(damaged_src, tmp_path):
+    # Blocks between the step-50 snapshot and step 99's boundary deleted (their segments kept): state_at(99) used to
+    # return an earlier step's state (or step 99 with pages missing) silently; events() skipped them.
+    src, snaps = damaged_src
+    with Recording(src) as r:
+        assert_state_equals(r.state_at(99), snaps[99], 99)
+        blocks = [s for (s,) in r._conn.execute("SELECT seq FROM blocks WHERE step >= 50 AND step < 100 ORDER BY seq")]
+        last = r._conn.execute("SELECT max(last) FROM segments WHERE block = ?", (blocks[1],)).fetchone()[0]
+    assert len(blocks) >= 3
+    for sql in (
+        f"DELETE FROM blocks WHERE seq = {blocks[1]}",  # one in the middle: step 99's boundary still there
+        f"DELETE FROM blocks WHERE seq >= {blocks[1]} AND step < 100",  # every one up to step 99's boundary
+    ):
+        bad = damaged(src, tmp_path, sql)
+        with Recording(bad) as r:
+            message = f"{bad}: the events of seq {blocks[1]}..{last} are missing (their block is indexed in segments"
+            _raises(RecordingError, message, r.state_at, 99)
+            _raises(RecordingError, message, lambda: list(r.events()))
+            _raises(RecordingError, message, lambda: list(r.events(60, 99)))
+            assert_state_equals(r.state_at(50), snaps[50], 50)  # a step whose history is intact still answers
+            assert len(list(r.events(0, 40))) > 0
+            assert_state_equals(r.state_at(100), snaps[100], 100)
+
+
+def test_state_at_checks_that_the_replay_reached_the_step(damaged_src, tmp_path, monkeypatch):
+    # A history the segments do not reveal as cut (the blocks' own rows say less than their index): the replay must
+    # end at the step's boundary, or the answer is another step's state.
+    src, _ = damaged_src
+    with Recording(src) as r:
+        end = r._conn.execute("SELECT boundary FROM segments WHERE step = 99 AND boundary IS NOT NULL").fetchone()[0]
+        block = r._conn.execute("SELECT max(seq) FROM blocks WHERE seq <= ?", (end,)).fetchone()[0]
+    bad = damaged(src, tmp_path, f"UPDATE blocks SET kinds = 1 WHERE seq = {block}")  # as if no state kind in it
+    with Recording(bad) as r:
+        e = _raises(RecordingError, f"{bad}: step 99: the replay from the snapshot at seq ", r.state_at, 99)
+        assert f"not at the step's boundary (seq {end}): the events of seq " in str(e)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"Alloc"', "meta kinds is not a list of event kind names: 'Alloc'"),
+        ('["Alloc","AllocFailed"]', "meta kinds lacks PageUpdate, LedgerUpdate, LedgerWrite, RequestReleased,"),
+        ('["StepBoundary","StepBoundary"]', "meta kinds names a kind twice"),
+        (None, "no kinds in its meta table"),
+    ],
+)
+def test_damaged_meta_kinds_is_refused_at_open(damaged_src, tmp_path, value, message):
+    # A string or a short list made the reader's state-kinds mask 0: state_at skipped every block silently; a meta
+    # table without kinds raised a bare KeyError.
+    src, _ = damaged_src
+    if value is None:
+        bad = damaged(src, tmp_path, "DELETE FROM meta WHERE key = 'kinds'")
+    else:
+        bad = damaged(src, tmp_path, "UPDATE meta SET value = ? WHERE key = 'kinds'", params=[(value,)])
+    _raises(RecordingError, f"{bad}: unusable flight recording: {message}", Recording, bad)
+
+
+def test_damaged_index_tables_are_refused_at_open(damaged_src, tmp_path):
+    src, _ = damaged_src
+    for sql, message in (
+        ("DELETE FROM segments", "its segments table does not index its blocks (the first block has seq 1, the first"),
+        ("DELETE FROM kindsets", "its kindsets table lacks the kinds"),
+        ("DELETE FROM blocks WHERE seq = (SELECT max(seq) FROM blocks)",
+         "its segments table does not index its blocks (the last block has seq "),
+    ):
+        bad = damaged(src, tmp_path, sql)
+        _raises(RecordingError, f"{bad}: unusable flight recording: {message}", Recording, bad)
+
+
+def _block_body(payload: bytes) -> bytes:
+    import zlib
+
+    return zlib.decompressobj(-15).decompress(payload[1:]) if payload[:1] == b"D" else payload[1:]
+
+
+def test_a_damaged_block_header_is_a_recording_error(damaged_src, tmp_path):
+    # np.dtype(",i4") (one bit flipped in '<i4') raised a bare SyntaxError; a length beyond int64 OverflowError.
+    import struct
+
+    src, _ = damaged_src
+    with Recording(src) as r:
+        seq, payload = r._conn.execute("SELECT seq, payload FROM blocks WHERE step >= 60 ORDER BY seq").fetchone()
+    body = _block_body(payload)
+    (n,) = struct.unpack_from("<I", body, 0)
+    head, rest = body[4 : 4 + n], body[4 + n :]
+    doc = json.loads(head)
+    flipped = head.replace(b'"x":"<', b'"x":",', 1)
+    assert flipped != head
+    big = dict(doc, a=[doc["a"][0], doc["a"][1], [10**30, *doc["a"][2][1:]]])
+    assert isinstance(doc["a"][0], str)
+    for h, what in ((flipped, "SyntaxError"), (json.dumps(big, separators=(",", ":")).encode(), "OverflowError")):
+        blob = b"B" + struct.pack("<I", len(h)) + h + rest
+        bad = damaged(src, tmp_path, "UPDATE blocks SET payload = ? WHERE seq = ?", params=[(blob, seq)])
+        with Recording(bad) as r:
+            message = f"{bad}: the events of the block at seq {seq} cannot be decoded ({what}: "
+            _raises(RecordingError, message, lambda: list(r.events()))
+            _raises(RecordingError, message, r.state_at, 99)
+
+
+@pytest.mark.parametrize(
+    ("sql", "params", "message"),
+    [
+        ("UPDATE snapshots SET ledger = CAST(replace(CAST(ledger AS TEXT), '\"rows\"', '\"rgws\"') AS BLOB) "
+         "WHERE step = 50", (), "(ValueError: the ledger document is not {rows, slot_rids})"),
+        ("UPDATE snapshots SET ledger = ? WHERE step = 50", (b"R[1,2]",),
+         "(ValueError: the ledger document is not {rows, slot_rids})"),
+        ("UPDATE snapshots SET ledger = ? WHERE step = 50", (b'R{"rows":[["r1",3]],"slot_rids":[]}',),
+         "(ValueError: a ledger row is not [request id, slot, allocated, committed, evicted]: ['r1', 3])"),
+        ("UPDATE snapshots SET ledger = ? WHERE step = 50", (b'R{"rows":[[["r1"],3,1,1,0]],"slot_rids":[]}',),
+         "(ValueError: a ledger row is not [request id, slot, allocated, committed, evicted]: [['r1'], 3, 1, 1, 0])"),
+        ("UPDATE snapshots SET ledger = ? WHERE step = 50", (b"R" + b"[" * 100000,), "(RecursionError: "),
+        ("UPDATE snapshots SET owner = 5 WHERE step = 50", (), "(ValueError: the owner array of pool "),
+        ("UPDATE snapshots SET owner = x'5a00' WHERE step = 50", (), "(error: "),
+        ("DELETE FROM snapshots WHERE step = 50 AND pool = 'swa'", (),
+         "(ValueError: it holds pools ['full'], the run has ['full', 'swa'])"),
+        ("UPDATE snapshots SET owner = (SELECT owner FROM snapshots s WHERE s.step = 0 AND s.pool = 'swa'), "
+         "num_pages = 7 WHERE step = 50 AND pool = 'swa'", (),
+         "(ValueError: pool 'swa' has 25 owner entries for 7 pages)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_snapshot_is_a_recording_error(damaged_src, tmp_path, sql, params, message):
+    # Damaged ledger or owner rows leaked KeyError/TypeError/RecursionError or a ValueError without the file name; a
+    # snapshot missing a pool (or with an owner array of another length) was taken as the base silently.
+    src, snaps = damaged_src
+    bad = damaged(src, tmp_path, sql, params=[params])
+    with Recording(bad) as r:
+        seq = r._conn.execute("SELECT seq FROM snapshots WHERE step = 50").fetchone()[0]
+        for step in (50, 70):
+            e = _raises(RecordingError, f"{bad}: the snapshot at seq {seq} cannot be used ", r.state_at, step)
+            assert message in str(e)
+        assert_state_equals(r.state_at(100), snaps[100], 100)
+
+
+def test_events_that_do_not_fit_the_base_are_a_recording_error(damaged_src, tmp_path):
+    # replay's own ValueError ("event N: unknown pool") named no file.
+    src, _ = damaged_src
+    with Recording(src) as r:
+        seq = r._conn.execute("SELECT seq FROM snapshots WHERE step = 50").fetchone()[0]
+    bad = damaged(src, tmp_path, "UPDATE meta SET value = ? WHERE key = 'pools'",
+                  "DELETE FROM snapshots WHERE pool = 'swa'",
+                  params=[('[{"name":"full","num_pages":24,"page_size":4}]',)])  # fmt: skip
+    with Recording(bad) as r:
+        e = _raises(RecordingError, f"{bad}: step 70 cannot be replayed from the snapshot at ", r.state_at, 70)
+        assert f"at seq {seq}: event " in str(e) and "unknown pool 'swa'" in str(e)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("format_version", "4.9", "is not a flight recording (format_version 4.9 is not an integer)"),
+        ("pools", "7", "unusable flight recording: meta pools is not a list of pools: 7"),
+        ("pools", '[{"name":"full"}]', "unusable flight recording: meta pools holds a pool that is not {name, "),
+        ("page_size", '"16"', "unusable flight recording: meta page_size is not an int >= 1: '16'"),
+        ("sliding_window", '"x"', "unusable flight recording: meta sliding_window is not null or an int >= 1: 'x'"),
+        ("violations_dropped", '"many"', "unusable flight recording: meta violations_dropped is not an int >= 0:"),
+        ("page_size", None, "unusable flight recording: no page_size in its meta table"),
+    ],
+)
+def test_damaged_meta_values_are_refused_at_open(damaged_src, tmp_path, key, value, message):
+    src, _ = damaged_src
+    if value is None:
+        bad = damaged(src, tmp_path, "DELETE FROM meta WHERE key = ?", params=[(key,)])
+    else:
+        bad = damaged(src, tmp_path, "INSERT OR REPLACE INTO meta VALUES (?, ?)", params=[(key, value)])
+    sep = " " if message.startswith("is not") else ": "
+    _raises(RecordingError, f"{bad}{sep}{message}", Recording, bad)
+
+
+def test_damaged_violation_rows_are_a_recording_error(tmp_path):
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "v.db"
+    with FlightRecorder(e.w, path):
+        a = Req(e.new_rid())
+        e.extend([a], [8])
+        e.w.ledger[a.rid].kv_allocated_len += 1  # a violation
+        e.w.step()
+    with Recording(path) as r:
+        assert len(r.violations()) == 1
+    bad = damaged(path, tmp_path, "UPDATE violations SET step = 'abc'")
+    with Recording(bad) as r:
+        _raises(RecordingError, f"{bad}: a violation row holds values the recorder never writes: (", r.violations)
