@@ -331,18 +331,17 @@ class _Unusable(Exception):
 
 
 def _check(args: argparse.Namespace) -> int:
+    from exporters.recorder import RecordingError
     from instrumented_alloc.invariants import INVARIANTS
 
     rec = _open_recording(args.recording)
     try:
         violations = rec.violations()
-        try:
-            first, last = rec.steps()
-            span = f"steps {first}..{last}"
-        except ValueError:
-            span = "no steps"
+        span = "steps {}..{}".format(*rec.steps()) if rec.snapshot_steps() else "no steps"
         meta = rec.meta
-    except Exception as exc:  # a file that opened but cannot be read (truncated, locked, corrupt)
+    except RecordingError as exc:  # a file that opened but cannot be read (truncated, corrupt): it names the file
+        raise _Unusable(str(exc)) from None
+    except Exception as exc:  # anything else the reader raises (locked, ...)
         raise _Unusable(f"{args.recording}: {exc}") from None
     finally:
         rec.close()
@@ -380,20 +379,16 @@ def _replay(args: argparse.Namespace) -> int:
     rec = _open_recording(args.recording)
     try:
         meta = rec.meta
-        try:
-            first, last = rec.steps()
-        except ValueError as exc:
-            raise _Unusable(str(exc)) from None
+        first, last = rec.steps()
         if not first <= args.step <= last:
             raise UsageError(f"step {args.step} is outside the recording (steps {first}..{last})")
-        try:
-            state = rec.state_at(args.step)
-        except ValueError as exc:
-            raise _Unusable(str(exc)) from None
+        state = rec.state_at(args.step)
         violations = rec.violations(start=args.step, stop=args.step + 1)
+    except ValueError as exc:  # RecordingError (it names the file), IncompleteHistory, a step not in the recording
+        raise _Unusable(str(exc)) from None
     finally:
         rec.close()
-    snaps = to_snapshots(state, page_size=int(meta["page_size"]), sliding_window=meta.get("sliding_window"))
+    snaps = to_snapshots(state, page_size=meta["page_size"], sliding_window=meta.get("sliding_window"))
     fig = figures(snaps)
     print(f"{args.recording} at step {args.step} (preset {meta.get('preset', '-')}, page size {meta['page_size']}"
           + (f", window {meta['sliding_window']}" if meta.get("sliding_window") else "") + ")")

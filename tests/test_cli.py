@@ -417,3 +417,46 @@ def test_demo_hash_request_ids(tmp_path, capsys, otel_env):
     assert mid.ledger and all(k.startswith("h:") for k in mid.ledger)
     assert not any(re.search(r"'r\d+'", text) for text in texts)
     assert any(re.search(r"'h:[0-9a-f]{16}'", text) for text in texts)
+
+
+def test_check_and_replay_of_a_damaged_recording_say_one_line_and_exit_2(tmp_path, capsys):
+    # Values of the wrong type, a meta table without kinds, a damaged snapshot, a table without a column, missing
+    # blocks: check and replay printed a traceback and exited 1 (for check: "violations found"), or printed the
+    # state of another step.
+    import sqlite3
+
+    good = tmp_path / "good.sqlite"
+    assert cli.main(["demo", "--preset", "swa-128", "--steps", "160", "--record", str(good), "--inject",
+                     "leak@30"]) == 0  # fmt: skip
+    assert cli.main(["check", str(good)]) == 1
+    assert cli.main(["replay", str(good), "--step", "150"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(good) as c:
+        blocks = [s for (s,) in c.execute("SELECT seq FROM blocks WHERE step >= 100 AND last_step < 150 ORDER BY seq")]
+    assert blocks
+    cases = [
+        ("check", "DELETE FROM meta WHERE key = 'kinds'", "unusable flight recording: no kinds in its meta table"),
+        ("check", "INSERT OR REPLACE INTO meta VALUES ('violations_dropped', '\"many\"')",
+         "unusable flight recording: meta violations_dropped is not an int >= 0: 'many'"),
+        ("check", "UPDATE violations SET step = 'abc' WHERE seq = (SELECT min(seq) FROM violations)",
+         "a violation row holds values the recorder never writes"),
+        ("replay", "DELETE FROM meta WHERE key = 'page_size'", "unusable flight recording: no page_size in its meta"),
+        ("replay", "UPDATE meta SET value = '\"x\"' WHERE key = 'sliding_window'",
+         "unusable flight recording: meta sliding_window is not null or an int >= 1: 'x'"),
+        ("replay", "ALTER TABLE violations DROP COLUMN trace_id",
+         "cannot read the recording (no such column: trace_id)"),
+        ("replay", "UPDATE snapshots SET ledger = CAST('R[1,2]' AS BLOB) WHERE step = 100",
+         "the snapshot at seq "),
+        ("replay", f"DELETE FROM blocks WHERE seq = {blocks[0]}", f"the events of seq {blocks[0]}.."),
+    ]  # fmt: skip
+    for i, (command, sql, needle) in enumerate(cases):
+        bad = tmp_path / f"bad{i}.sqlite"
+        with sqlite3.connect(good) as s, sqlite3.connect(bad) as d:
+            s.backup(d)
+        with sqlite3.connect(bad) as c:
+            c.execute(sql)
+        args = [command, str(bad)] + (["--step", "150"] if command == "replay" else [])
+        assert cli.main(args) == 2, (sql, capsys.readouterr())
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"instrumented-alloc {command}: error: {bad}: {needle}"), err
