@@ -703,20 +703,27 @@ class PrometheusExporter:
             self._last_refresh = self._clock()
             self._dirty = False  # before the snapshot: a change made while it is taken is owed again
             fig = stats.figures(self._alloc.snapshot(wait=False))
-            # A refresh may write a series for the first time (a new sink's dropped count): reserve first. Once
-            # per refresh (rate-limited): a few system calls per file, a no-op while the space is there.
-            if self._mp_space is not None:
-                self._mp_space.reserve()
+            # A refresh may write series for the first time (the gauges' at construction, a new sink's dropped
+            # count): reserve first. Once per refresh (rate-limited): a few system calls per file, a no-op while
+            # the space is there.
+            space = self._mp_space
+            if space is not None:
+                space.reserve()
             for name, labels, value in self._gauge_values(fig):
                 g = self._gauges[name]
                 # A gauge with no label at all (no const labels, none of its own) is its own series.
                 (g.labels(*self._const_values, *labels) if (self._const_values or labels) else g).set(float(value))
+            dropped_seen = self._dropped_seen
             for sink, n in self._alloc.bus.drop_counts().items():
-                seen = self._dropped_seen.get(sink, 0)
+                if space is not None and sink not in dropped_seen:
+                    # Again before each new series: one refresh may bring more new sinks than the headroom holds
+                    # (sinks that appeared while refreshes were held back), and a write past it is a SIGBUS.
+                    space.reserve()
+                seen = dropped_seen.get(sink, 0)
                 child = self._dropped_counter.labels(*self._const_values, str(sink))
                 if n > seen:
                     child.inc(n - seen)
-                self._dropped_seen[sink] = max(seen, n)
+                dropped_seen[sink] = max(seen, n)
         finally:
             self._refresh_lock.release()
 

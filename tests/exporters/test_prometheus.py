@@ -927,6 +927,63 @@ def test_multiprocess_full_disk_never_kills_the_engine(tmp_path):
     assert r["last_refuser"] == r["last_refuser_bus"] >= 1, r
 
 
+MANY_NEW_SINKS_CHILD = r"""
+import errno, json, os, sys
+d = sys.argv[1]
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = d  # before prometheus_client is imported
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.prometheus import PrometheusExporter
+
+now = [0.0]
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+# Refreshes held back (the clock never moves): the sinks below appear while no refresh runs.
+exp = PrometheusExporter(w, const_labels={"engine": "e0"}, refresh_interval=60.0, clock=lambda: now[0])
+for k in range(400):
+    def refuse(batch):
+        return False
+    refuse.name = f"refuser-{k:03d}"
+    w.subscribe(refuse)
+slots = w.alloc(4)
+w.free(slots)
+w.step()
+fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+for size in (4096, 512, 1):  # the disk full to the last byte
+    while True:
+        try:
+            if os.write(fd, bytes(size)) < size:
+                break
+        except OSError:
+            break
+out = {}
+try:
+    exp.refresh()  # 400 new series at once: more than the headroom reserved at its start
+    out["refresh"] = None
+except OSError as exc:
+    out["refresh"] = [exc.errno, str(exc)]
+out["written"] = sum(
+    1 for k in range(400)
+    if exp.registry.get_sample_value("kvalloc_events_dropped_total", {"engine": "e0", "sink": f"refuser-{k:03d}"})
+)
+out["available"] = w.available_size()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_multiprocess_refresh_with_many_new_series_on_a_full_disk(tmp_path):
+    # One refresh that brings more new series than the headroom reserved at its start (here 400 sinks that
+    # appeared while refreshes were held back; in a run, a refresh thread and a step racing for the refresh):
+    # it reserved once, so prometheus_client grew its file sparse and the next write was a SIGBUS.
+    rc, stdout, stderr = _on_small_tmpfs(tmp_path, MANY_NEW_SINKS_CHILD, "320k")
+    assert rc == 0, f"child exited {rc} (-7: SIGBUS): {stderr[-3000:]}"
+    r = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert r["refresh"][0] == errno.ENOSPC
+    assert r["refresh"][1].startswith("[Errno 28] multiprocess metrics: no space for new series in")
+    assert 0 < r["written"] < 400  # the series that fitted were written; the rest wait for space
+    assert r["available"] == 64
+
+
 # -- 5. failures never reach the allocator's caller -----------------------------------------------------------------
 def test_port_already_taken_names_the_port(run):
     _, exp = run()
