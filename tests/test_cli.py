@@ -20,6 +20,7 @@ from exporters.recorder import Recording
 from instrumented_alloc import cli
 from instrumented_alloc.sim import FAULTS, PRESETS
 from tests.ctrl_c import restore_sigint
+from tests.exporters.test_recorder import damaged
 
 
 def _script() -> list[str]:
@@ -449,12 +450,8 @@ def test_check_and_replay_of_a_damaged_recording_say_one_line_and_exit_2(tmp_pat
          "the snapshot at seq "),
         ("replay", f"DELETE FROM blocks WHERE seq = {blocks[0]}", f"the events of seq {blocks[0]}.."),
     ]  # fmt: skip
-    for i, (command, sql, needle) in enumerate(cases):
-        bad = tmp_path / f"bad{i}.sqlite"
-        with sqlite3.connect(good) as s, sqlite3.connect(bad) as d:
-            s.backup(d)
-        with sqlite3.connect(bad) as c:
-            c.execute(sql)
+    for command, sql, needle in cases:
+        bad = damaged(good, tmp_path, sql)
         args = [command, str(bad)] + (["--step", "150"] if command == "replay" else [])
         assert cli.main(args) == 2, (sql, capsys.readouterr())
         err = capsys.readouterr().err

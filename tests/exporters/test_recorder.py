@@ -865,12 +865,8 @@ def test_corrupt_values_are_a_clear_error(tmp_path):
         ("UPDATE segments SET counts = '[1' ", "event_counts", "the event counts cannot be read"),
         ("UPDATE snapshots SET step = 'y'", "steps", "the step range cannot be read"),
     )  # fmt: skip
-    for i, (sql, method, message) in enumerate(checks):
-        bad = tmp_path / f"bad{i}.db"
-        with sqlite3.connect(path) as src, sqlite3.connect(bad) as dst:
-            src.backup(dst)
-        with sqlite3.connect(bad) as c:
-            c.execute(sql)
+    for sql, method, message in checks:
+        bad = damaged(path, tmp_path, sql)
         with Recording(bad) as r:
             call = getattr(r, method)
             with pytest.raises(RecordingError) as info:
