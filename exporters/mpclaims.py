@@ -20,33 +20,45 @@ Contract:
   filesystem. ``MultiProcessCollector`` reads only ``*.db`` files: claims are invisible to scrapes.
 - Held elsewhere: by a live process (another one, or this one through an owner still alive), ``claim`` raises
   ``ClaimError`` (a ``ValueError``) naming the directory, the label set and the holder's pid. By a dead process
-  (not running, a zombie, or its pid now another process), the claim is taken over; for ``labels``,
+  (not running, or a zombie), the claim is taken over; for ``labels``,
   ``prometheus_client.multiprocess.mark_process_dead(pid)`` is called first, as a supervisor would, so that the
-  dead process's ``live*`` gauges leave the aggregate (its counters stay: they keep counting into the sums). The
-  taken-over pids are in ``Claim.took_over``.
+  dead process's ``live*`` gauges leave the aggregate (its counters stay: they keep counting into the sums). A
+  claim whose pid now names another process (a different start time: the pid was recycled) is taken over too,
+  but nothing is marked dead: the files of that pid are the new process's now (its own gauges live there, and
+  the dead holder's stay beside them until that process exits). The taken-over pids are in ``Claim.took_over``.
 - The decision and the file's creation happen under ``flock`` of the directory, so two processes starting at once
-  cannot both win. Assumes the processes that share the directory share a PID namespace (SGLang's schedulers are
-  children of one launcher); a claim by a process this one cannot see is taken for dead.
-- Never on the hot path: called from constructors, ``serve()`` and ``close()``. Not thread-safe across threads of
-  one process beyond what the directory lock gives; the exporter calls it under its own lock.
+  cannot both win. The lock is waited for at most ``LOCK_TIMEOUT`` seconds (a holder that is stopped, or a
+  ``flock`` held from outside): then ``OSError`` (``ETIMEDOUT``) says so. Assumes the processes that share the
+  directory share a PID namespace (SGLang's schedulers are children of one launcher); a claim by a process this
+  one cannot see is taken for dead. Entries that are not claim files (by name or by type) are left alone.
+- A file system error (an unwritable directory, ...) is an ``OSError`` whose message starts with
+  "multiprocess metrics: cannot claim".
+- ``Claim.release`` removes only a file of this process: in a child forked after the claim, it does nothing (the
+  claim stays the parent's).
+- Never on the hot path: called from constructors, ``serve()`` and ``close()``. Several threads of one process may
+  claim at once: the directory lock serialises them as it does processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import stat
+import time
 import weakref
 from collections.abc import Mapping
 
 from prometheus_client.multiprocess import mark_process_dead
 
-__all__ = ["Claim", "ClaimError", "claim"]
+__all__ = ["LOCK_TIMEOUT", "Claim", "ClaimError", "claim"]
 
-_NAME = re.compile(r"^kvalloc_(labels|serve)_([0-9a-f]+|dir)_(\d+)_(\d+)\.claim$")
+LOCK_TIMEOUT = 10.0  # seconds to wait for the directory's lock
+_NAME = re.compile(r"^kvalloc_(labels|serve)_([0-9a-f]+|dir)_([0-9]+)_([0-9]+)\.claim$", re.ASCII)
 # This process's claims: file name -> its owner (weakly). An owner collected without release() leaves a stale
 # file that a later claim of this process takes over.
 _MINE: dict[str, weakref.ref] = {}
@@ -93,6 +105,7 @@ class Claim:
         self.directory = directory
         self.name = name
         self.took_over = took_over
+        self._pid = os.getpid()
         self._held = True
 
     def release(self, *, keep_file: bool = False) -> None:
@@ -102,6 +115,8 @@ class Claim:
         if not self._held:
             return
         self._held = False
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the file is the parent's claim
         _MINE.pop(self.name, None)
         if not keep_file:
             with contextlib.suppress(FileNotFoundError):
@@ -124,46 +139,85 @@ def claim(directory: str, kind: str, labels: Mapping[str, str] | None, owner) ->
     digest = _digest(labels or {}) if kind == "labels" else "dir"
     me = os.getpid()
     mine = f"kvalloc_{kind}_{digest}_{me}_{_start_time(me) or 0}.claim"
-    fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        took_over = []
-        for name in sorted(os.listdir(directory)):
-            m = _NAME.match(name)
-            if m is None or m.group(1) != kind or m.group(2) != digest:
-                continue
-            pid, start = int(m.group(3)), int(m.group(4))
-            if pid == me:
-                ref = _MINE.get(name)
-                holder = ref() if ref is not None else None
-                if holder is not None and name == mine:
-                    raise ClaimError(
-                        f"multiprocess metrics in {directory}: {_describe(kind, labels)} already used by another "
-                        f"exporter of this process (pid {pid}); every allocator needs its own const_labels "
-                        "(engine, tp_rank, dp_rank, ...)"
-                        if kind == "labels"
-                        else f"multiprocess metrics in {directory}: already served by another exporter of this "
-                        f"process (pid {pid}); serve one endpoint per directory"
-                    )
-            else:
-                now = _start_time(pid)
-                if now is not None and (start == 0 or now == 0 or now == start):
-                    raise ClaimError(
-                        f"multiprocess metrics in {directory}: {_describe(kind, labels)} already used by live "
-                        f"process {pid} (its gauges stay in the directory until it exits, even after its exporter "
-                        "closed); every process (rank) needs its own const_labels (engine, tp_rank, dp_rank, ...)"
-                        if kind == "labels"
-                        else f"multiprocess metrics in {directory}: already served by live process {pid}; every "
-                        "process's metrics are served from one endpoint per directory (serve() from one rank, or "
-                        "from the parent with a MultiProcessCollector)"
-                    )
-                if kind == "labels":
-                    mark_process_dead(pid, directory)  # its live gauges would be summed into ours
-                took_over.append(pid)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, name))
-        os.close(os.open(os.path.join(directory, mine), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        _MINE[mine] = weakref.ref(owner)
-        return Claim(directory, mine, tuple(took_over))
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise OSError(exc.errno, f"multiprocess metrics: cannot claim {kind} in {directory}: {exc.strerror}") from exc
+    try:
+        _lock(fd, directory)
+        try:
+            return _decide(directory, kind, labels, owner, digest, me, mine)
+        except OSError as exc:
+            if str(exc).startswith("multiprocess metrics"):
+                raise
+            raise OSError(
+                exc.errno, f"multiprocess metrics: cannot claim {kind} in {directory}: {exc.strerror or exc}"
+            ) from exc
     finally:
         os.close(fd)  # releases the flock
+
+
+def _lock(fd: int, directory: str) -> None:
+    """The directory's exclusive ``flock``, waited for at most ``LOCK_TIMEOUT`` seconds."""
+    deadline = time.monotonic() + LOCK_TIMEOUT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    errno.ETIMEDOUT,
+                    f"multiprocess metrics: cannot claim in {directory}: its lock (flock) has been held for "
+                    f"{LOCK_TIMEOUT:g} s by another process (stopped? check with lsof or fuser)",
+                ) from None
+            time.sleep(0.01)
+
+
+def _decide(directory: str, kind: str, labels, owner, digest: str, me: int, mine: str) -> Claim:
+    """``claim``'s decision, under the directory's lock."""
+    took_over = []
+    for name in sorted(os.listdir(directory)):
+        m = _NAME.match(name)
+        if m is None or m.group(1) != kind or m.group(2) != digest:
+            continue
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
+                continue  # not a claim file, whatever its name
+        except FileNotFoundError:
+            continue
+        pid, start = int(m.group(3)), int(m.group(4))
+        if pid == me:
+            ref = _MINE.get(name)
+            holder = ref() if ref is not None else None
+            if holder is not None and name == mine:
+                raise ClaimError(
+                    f"multiprocess metrics in {directory}: {_describe(kind, labels)} already used by another "
+                    f"exporter of this process (pid {pid}); every allocator needs its own const_labels "
+                    "(engine, tp_rank, dp_rank, ...)"
+                    if kind == "labels"
+                    else f"multiprocess metrics in {directory}: already served by another exporter of this "
+                    f"process (pid {pid}); serve one endpoint per directory"
+                )
+        else:
+            now = _start_time(pid)
+            if now is not None and (now == 0 or now == start):
+                raise ClaimError(
+                    f"multiprocess metrics in {directory}: {_describe(kind, labels)} already used by live "
+                    f"process {pid} (its gauges stay in the directory until it exits, even after its exporter "
+                    "closed); every process (rank) needs its own const_labels (engine, tp_rank, dp_rank, ...)"
+                    if kind == "labels"
+                    else f"multiprocess metrics in {directory}: already served by live process {pid}; every "
+                    "process's metrics are served from one endpoint per directory (serve() from one rank, or "
+                    "from the parent with a MultiProcessCollector)"
+                )
+            if kind == "labels" and now is None:
+                # Its live gauges would be summed into ours. Only a pid that runs no process: a recycled one's
+                # files are the new process's now.
+                mark_process_dead(pid, directory)
+            took_over.append(pid)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+    os.close(os.open(os.path.join(directory, mine), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    _MINE[mine] = weakref.ref(owner)
+    return Claim(directory, mine, tuple(took_over))

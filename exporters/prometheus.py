@@ -48,6 +48,15 @@ What is computed when
   (counters of dead processes must keep counting into the sums). prometheus_client itself chooses its value
   class when it is first imported: the variable must be set before that import (a clear error says so).
   Exemplars are not stored by prometheus_client in multiprocess mode.
+- Multiprocess claims (``exporters.mpclaims``): the constructor claims its const-label set in the directory and
+  ``serve()`` claims the directory's one server; a label set or server held by another live exporter (this
+  process or another) raises ``mpclaims.ClaimError`` (a ``ValueError``), since the collector would merge the two
+  silently (or expose every rank twice). A label set whose holder died is taken over, its gauges dropped as
+  ``mark_process_dead`` does. ``close()`` gives the server claim up and keeps the label set's while the process
+  lives (its gauges stay in its files until it exits).
+- Multiprocess refresh thread (``_trailing_refresher``, a daemon per exporter, holding it weakly): a refresh the
+  rate limit held back is made once the interval has passed, so that an engine that goes idle does not leave the
+  gauges showing the busy state. A clock that goes back counts as the interval passed.
 - Multiprocess disk space: prometheus_client grows its files with ``truncate`` (a sparse file) and writes a new
   series' key through the mapping; on a full filesystem that write is a SIGBUS, which kills the process (no
   exception to catch). So before anything of ours may add a series (a new child, a gauge or a sink name seen for
@@ -76,6 +85,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mmap_dict, start_http_server, values
@@ -240,6 +250,28 @@ class _MpSpace:
                 os.close(fd)
 
 
+def _trailing_refresher(ref: weakref.ref, stop: threading.Event, period: float) -> None:
+    """Multiprocess mode, a daemon thread per exporter: the refresh the rate limit held back. A step boundary
+    within ``refresh_interval`` of the last refresh leaves the gauges behind, and so does any call after the last
+    step (the releases that end a burst); an engine that then goes idle calls nothing that would refresh them, and
+    they would show the busy state for as long as it stays idle. This wakes every ``period`` seconds (the interval,
+    at least 50 ms, at most a minute) and refreshes once the interval has passed on the exporter's ``clock`` if an
+    event came in since the last refresh. ``refresh()`` takes the wrapper's lock for the snapshot, as the engine's
+    own refresh does, at most once per interval; failures are kept in ``last_error``. Holds the exporter weakly
+    (``ref``): it ends when ``stop`` is set (``close()``) or the exporter is gone. Not in a forked child (threads do
+    not survive a fork)."""
+    while not stop.wait(period):
+        x = ref()
+        if x is None:
+            return
+        if x._dirty and x._refresh_due():
+            try:
+                x.refresh()
+            except Exception as exc:  # the next event re-arms it; the engine never sees this thread's errors
+                x.last_error = f"{type(exc).__name__}: {exc}"
+        del x
+
+
 def _exemplar(trace_id) -> dict[str, str] | None:
     if trace_id is None:
         return None
@@ -369,8 +401,10 @@ class PrometheusExporter:
         refresh_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        if refresh_interval < 0:
-            raise ValueError(f"refresh_interval: expected >= 0 seconds, got {refresh_interval!r}")
+        if isinstance(refresh_interval, bool) or not isinstance(refresh_interval, (int, float)) or not (
+            0 <= refresh_interval < float("inf")
+        ):
+            raise ValueError(f"refresh_interval: expected a finite number of seconds >= 0, got {refresh_interval!r}")
         self._alloc = alloc
         self._const = _check_const_labels(const_labels)
         self._const_names = tuple(self._const)
@@ -422,6 +456,7 @@ class PrometheusExporter:
         self._dirty = False
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
+        self._pid = os.getpid()  # close() in a forked child leaves the parent's side alone
         try:
             if self.multiprocess:
                 # Before any series is written: a label set another live exporter writes would be merged with it.
@@ -464,8 +499,12 @@ class PrometheusExporter:
         self.sink = _Sink.build(self)
         alloc.subscribe(self.sink)
         if self.multiprocess:
+            # The thread holds the exporter weakly: one dropped without close() can still be collected.
             self._refresher = threading.Thread(
-                target=self._trailing_refresher, name="kvalloc-prometheus-refresh", daemon=True
+                target=_trailing_refresher,
+                args=(weakref.ref(self), self._stop, min(max(self.refresh_interval, 0.05), 60.0)),
+                name="kvalloc-prometheus-refresh",
+                daemon=True,
             )
             self._refresher.start()
 
@@ -650,8 +689,13 @@ class PrometheusExporter:
         self._child(self._violations, v.invariant).inc(1, exemplar=_exemplar(v.trace_id))
 
     def _on_step(self, e: ev.StepBoundary) -> None:
-        if self.multiprocess and self._clock() - self._last_refresh >= self.refresh_interval:
+        if self.multiprocess and self._refresh_due():
             self.refresh()
+
+    def _refresh_due(self) -> bool:
+        """``refresh_interval`` has passed on ``clock`` since the last refresh (or the clock went back)."""
+        elapsed = self._clock() - self._last_refresh
+        return elapsed >= self.refresh_interval or elapsed < 0
 
     # -- gauges ---------------------------------------------------------------------------------------------
     def _gauge_values(self, fig: dict) -> Iterable[tuple[str, tuple, float]]:
@@ -727,22 +771,6 @@ class PrometheusExporter:
         finally:
             self._refresh_lock.release()
 
-    def _trailing_refresher(self) -> None:
-        """Multiprocess mode, a daemon thread: the refresh the rate limit held back. A step boundary within
-        ``refresh_interval`` of the last refresh leaves the gauges behind, and so does any call after the last
-        step (the releases that end a burst); an engine that then goes idle calls nothing that would refresh them,
-        and they would show the busy state for as long as it stays idle. This wakes every ``refresh_interval``
-        (at least 50 ms) and refreshes once the interval has passed on ``clock`` if an event came in since the
-        last refresh. ``refresh()`` takes the wrapper's lock for the snapshot, as the engine's own refresh does,
-        at most once per interval; failures are kept in ``last_error``."""
-        period = max(self.refresh_interval, 0.05)
-        while not self._stop.wait(period):
-            if self._dirty and self._clock() - self._last_refresh >= self.refresh_interval:
-                try:
-                    self.refresh()
-                except Exception as exc:  # the next event re-arms it; the engine never sees this thread's errors
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-
     # -- HTTP ----------------------------------------------------------------------------------------------
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serve /metrics (text format, or OpenMetrics when the scraper asks for it) on ``addr:port``; returns the
@@ -753,6 +781,8 @@ class PrometheusExporter:
                 raise RuntimeError("serve(): the exporter is closed")
             if self._httpd is not None:
                 raise RuntimeError(f"serve(): already serving on {addr}:{self.port}")
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise ValueError(f"serve(): port: expected an int 0..65535, got {port!r}")
             if self.multiprocess:
                 reg = CollectorRegistry()
                 MultiProcessCollector(reg, path=self._mp_dir)
@@ -761,11 +791,13 @@ class PrometheusExporter:
             else:
                 reg = self.registry
             try:
-                httpd, thread = start_http_server(int(port), addr=addr, registry=reg)
-            except OSError as exc:
+                httpd, thread = start_http_server(port, addr=addr, registry=reg)
+            except BaseException as exc:
                 if self._serve_claim is not None:
-                    self._serve_claim.release()
+                    self._serve_claim.release()  # nothing is served: another exporter may serve the directory
                     self._serve_claim = None
+                if not isinstance(exc, OSError):
+                    raise
                 if exc.errno == errno.EADDRINUSE:
                     raise OSError(errno.EADDRINUSE, f"metrics port {port} on {addr} is already in use") from exc
                 raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
@@ -774,33 +806,50 @@ class PrometheusExporter:
             return self.port
 
     def close(self) -> None:
-        """Stop the HTTP server, unsubscribe from the allocator, unregister the metrics. Idempotent."""
+        """Stop the HTTP server, unsubscribe from the allocator, unregister the metrics. Idempotent.
+
+        Multiprocess mode: stops the refresh thread (after a refresh it is making), makes the last refresh, gives
+        up the server's claim and keeps the label set's (see ``exporters.mpclaims``). In a child forked after the
+        exporter was built, only the child's side is closed: no refresh (it would write the parent's label set into
+        the child's files), the claims and the server stay the parent's."""
         with self._lock:
             if self._closed:
                 return
-            if self.multiprocess:
+            forked = os.getpid() != self._pid
+            self._stop.set()
+            r = self._refresher
+            if r is not None and r.is_alive() and r is not threading.current_thread() and not self._holds_alloc():
+                # A refresh it is making (from an older snapshot) must land before ours. Not when our caller holds
+                # the wrapper's lock (close() from a sink): the thread may be waiting for it, and a refresh it makes
+                # later takes its snapshot then, which is current.
+                r.join(timeout=5)
+            if self.multiprocess and not forked:
                 try:
                     self.refresh()  # the last word on the dropped counter and the gauges
                 except Exception as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
             self._closed = True
-            self._stop.set()
-            if self._refresher is not None and self._refresher is not threading.current_thread():
-                self._refresher.join(timeout=5)
-            if self._serve_claim is not None:
-                self._serve_claim.release()
-            if self._claim is not None:
-                self._claim.release(keep_file=True)  # see mpclaims: our gauges stay until this process exits
+            if not forked:
+                if self._serve_claim is not None:
+                    self._serve_claim.release()
+                if self._claim is not None:
+                    self._claim.release(keep_file=True)  # see mpclaims: our gauges stay until this process exits
             httpd, self._httpd = self._httpd, None
             if httpd is not None:
-                httpd.shutdown()
+                if not forked:  # a child has no serving thread: shutdown() would wait for it forever
+                    httpd.shutdown()
                 httpd.server_close()
-                if self._http_thread is not None:
+                if self._http_thread is not None and not forked:
                     self._http_thread.join(timeout=5)
             with contextlib.suppress(ValueError):
                 self._alloc.unsubscribe(self.sink)
             self._flush_pending()  # the metric objects stay readable after close
             self._unregister()
+
+    def _holds_alloc(self) -> bool:
+        """Whether this thread holds the wrapper's lock (``close()`` called from a sink)."""
+        owned = getattr(getattr(self._alloc, "_w_lock", None), "_is_owned", None)
+        return bool(owned()) if owned is not None else False
 
     def _unregister(self) -> None:
         for m in self._registered:

@@ -927,6 +927,138 @@ def test_multiprocess_full_disk_never_kills_the_engine(tmp_path):
     assert r["last_refuser"] == r["last_refuser_bus"] >= 1, r
 
 
+LIFECYCLE_CHILD = r"""
+import gc, json, os, sys, threading, time
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator, stats
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters import prometheus as prom
+from exporters.prometheus import PrometheusExporter
+
+def wrapped():
+    return InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+
+out = {}
+# 1. A port out of range: a clear error, and no server claim left behind (a retry serves).
+x = PrometheusExporter(wrapped(), const_labels={"engine": "a"}, refresh_interval=0.0)
+try:
+    x.serve(port=94000)
+except ValueError as exc:
+    out["bad_port"] = str(exc)
+out["retry_serves"] = x.serve(port=0) > 0
+x.close()
+
+# 2. An exporter dropped without close(): collected (its refresh thread ends), its label set free again.
+w = wrapped()
+x = PrometheusExporter(w, const_labels={"engine": "b"}, refresh_interval=0.0)
+t = x._refresher
+del x, w
+gc.collect()
+t.join(timeout=10)
+out["thread_ended"] = not t.is_alive()
+PrometheusExporter(wrapped(), const_labels={"engine": "b"}, refresh_interval=0.0).close()
+out["relabelled"] = True
+
+# 3. A clock that goes back: the next step refreshes (it used to wait for the clock to climb back).
+now = [1000.0]
+w = wrapped()
+x = PrometheusExporter(w, const_labels={"engine": "c"}, refresh_interval=5.0, clock=lambda: now[0])
+lab = {"engine": "c", "pool": "full", "state": "used"}
+with w.batch(["r"]):
+    w.alloc(8)
+now[0] = 10.0
+w.step()
+out["after_clock_back"] = x.registry.get_sample_value("kvalloc_pages", lab)
+x.close()
+
+# 4. close() while the refresh thread refreshes from an older snapshot: close's refresh is the last word.
+now = [0.0]
+w = wrapped()
+x = PrometheusExporter(w, const_labels={"engine": "d"}, refresh_interval=1.0, clock=lambda: now[0])
+inside, release = threading.Event(), threading.Event()
+real = prom.stats.figures
+def slow(snaps):
+    fig = real(snaps)
+    if threading.current_thread() is x._refresher:
+        inside.set()
+        release.wait(10)
+    return fig
+prom.stats.figures = slow
+with w.batch(["r"]):
+    slots = w.alloc(8)
+now[0] = 2.0  # the thread refreshes (2 pages used) and is held inside
+assert inside.wait(10)
+w.free(slots)
+w.release_request("r")
+threading.Timer(0.3, release.set).start()
+x.close()  # waits for the thread's refresh, then refreshes: 0 pages used
+prom.stats.figures = real
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+reg = CollectorRegistry()
+MultiProcessCollector(reg, path=sys.argv[1])
+out["after_close"] = reg.get_sample_value("kvalloc_pages", {"engine": "d", "pool": "full", "state": "used"})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_multiprocess_exporter_lifecycle(tmp_path):
+    _, p = _one_rank(tmp_path, LIFECYCLE_CHILD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.split("RESULT ")[1])
+    assert r == {
+        "bad_port": "serve(): port: expected an int 0..65535, got 94000",
+        "retry_serves": True,
+        "thread_ended": True,
+        "relabelled": True,
+        "after_clock_back": 2.0,
+        "after_close": 0.0,
+    }
+
+
+FORK_CHILD = r"""
+import json, os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+import torch
+from instrumented_alloc import InstrumentedAllocator
+from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+from exporters.prometheus import PrometheusExporter
+
+w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"), mode="record")
+x = PrometheusExporter(w, const_labels={"engine": "e0"}, refresh_interval=0.0)
+with w.batch(["r"]):
+    w.alloc(8)
+w.step()
+x.serve(port=0)
+pid = os.fork()
+if pid == 0:  # a worker forked from the engine process leaves a `with` block: closes its copy
+    x.close()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+claims = sorted(n.split("_")[1] for n in os.listdir(sys.argv[1]) if n.endswith(".claim"))
+print("RESULT " + json.dumps({"child_status": status, "claims": claims}))
+x.close()
+"""
+
+
+def test_multiprocess_close_in_a_forked_child_leaves_the_parent_alone(tmp_path):
+    # The child's close() used to remove the parent's server claim, write the parent's label set into the child's
+    # own files (pages doubled for good) and hang in the HTTP server's shutdown.
+    mp_dir, p = _one_rank(tmp_path, FORK_CHILD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.split("RESULT ")[1])
+    assert r == {"child_status": 0, "claims": ["labels", "serve"]}
+    pages = {dict(lab)["state"]: v for lab, v in _find(_mp_samples(mp_dir), "kvalloc_pages").items()}
+    assert pages == {"free": 14.0, "used": 2.0, "staged": 0.0, "reserved": 1.0}  # one process's 17 pages
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "1", True])
+def test_refresh_interval_must_be_finite(bad):
+    with pytest.raises(ValueError, match="refresh_interval: expected a finite number of seconds >= 0"):
+        PrometheusExporter(make_alloc(), refresh_interval=bad)
+
+
 MANY_NEW_SINKS_CHILD = r"""
 import errno, json, os, sys
 d = sys.argv[1]
