@@ -170,8 +170,12 @@ def incident(rdir: data.RecordingDir, name: str, *, narrow: bool = False) -> Non
             st.info("This recording has no events yet: only the state when recording started.")
         targets = views.jump_targets(violations, (ov.first, ov.last))
         step_key, jump_key = _key("step", name), _key("jump", name)
-        if step_key not in st.session_state or not ov.first <= st.session_state[step_key] <= ov.last:
-            st.session_state[step_key] = targets[0][1] if targets else ov.last
+        step = st.session_state.get(step_key)
+        if step is None or not ov.first <= step <= ov.last:
+            step = targets[0][1] if targets else ov.last
+        # Set on every run, not only the first: a slider whose range changed (a recording being written, or
+        # replaced) is a new widget to Streamlit, which would start it at its minimum.
+        st.session_state[step_key] = step
 
         def jump() -> None:
             label = st.session_state.get(jump_key)
@@ -256,8 +260,10 @@ def main() -> None:
         _show_error(exc)
         return
     wanted = list(dict.fromkeys(n for n in os.environ.get(ENV_RECORDING, "").split("\n") if n))
-    # Shown even when one is not a recording: the page then says why.
-    names = [n for n in wanted if n not in names] + names
+    # Shown even when one is not a recording, or no longer there (picked, then deleted): its column then says why
+    # (a picked name missing from the options would be dropped from the selection without a word).
+    picked = st.session_state.get("recordings") or []
+    names = list(dict.fromkeys([*(n for n in wanted if n not in names), *names, *picked]))
     with st.sidebar:
         st.caption(f"Recordings under `{rdir.root}` (read-only)")
         if not names:

@@ -42,11 +42,20 @@ class DashboardInputError(ValueError):
     """Something the user asked for cannot be shown; the message says what and why."""
 
 
+def home_expanded(path: str) -> Path:
+    """``path`` with a leading ``~`` or ``~/`` read as the user's home, as a shell does; any other name is taken
+    literally. (``Path.expanduser`` also reads ``~name`` as user *name*'s home and raises when there is no such
+    user, which made a recording named ``~x.sqlite`` unopenable.)"""
+    if path == "~" or path.startswith("~" + os.sep):
+        return Path(path).expanduser()
+    return Path(path)
+
+
 class RecordingDir:
     """The directory whose recordings the dashboard may open."""
 
     def __init__(self, root):
-        self.root = Path(root).expanduser().resolve()
+        self.root = home_expanded(os.fspath(root)).resolve()
         if not self.root.is_dir():
             raise DashboardInputError(f"{self.root}: not a directory (the dashboard's recording directory)")
 
@@ -60,7 +69,7 @@ class RecordingDir:
 
     def resolve(self, name) -> Path:
         """The file ``name`` (relative to the directory, or absolute) names, if it lies inside the directory."""
-        raw = Path(os.fspath(name)).expanduser()
+        raw = home_expanded(os.fspath(name))
         p = (raw if raw.is_absolute() else self.root / raw).resolve()
         if p != self.root and self.root not in p.parents:
             raise DashboardInputError(

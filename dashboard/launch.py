@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
+from dashboard.data import home_expanded
 
 APP = Path(__file__).resolve().with_name("app.py")
 ROOT = APP.parents[1]
@@ -30,9 +31,9 @@ ROOT = APP.parents[1]
 def resolve(recording=None, directory=None) -> tuple[Path, str | None]:
     """(directory, recording name relative to it). Without ``directory``: the recording's own directory, or the
     working directory. A recording outside ``directory`` is refused."""
-    rec = Path(recording).expanduser() if recording else None
+    rec = home_expanded(os.fspath(recording)) if recording else None
     if directory is not None:
-        d = Path(directory).expanduser().resolve()
+        d = home_expanded(os.fspath(directory)).resolve()
     elif rec is not None:
         d = (rec if rec.is_absolute() else Path.cwd() / rec).resolve().parent
     else:

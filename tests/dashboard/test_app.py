@@ -452,3 +452,69 @@ def test_no_recording_picked_says_so(ranks_app):
     at.multiselect(key="recordings").unselect("run-tp0.sqlite").run()
     assert not at.exception and not at.error
     assert [i.value for i in at.info] == ["Pick one or more recordings in the sidebar."]
+
+
+@pytest.fixture
+def own_ranks(tmp_path, monkeypatch):
+    """Two rank recordings of this test's own (``rank_recording``: run-tp0 steps 0..6, run-tp1 steps 0..9), which
+    it may rewrite or delete, and a runner of the app over them."""
+    from tests.dashboard.conftest import rank_recording
+
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+    rank_recording(tmp_path / "run-tp0.sqlite", 0, 6, 4)
+    rank_recording(tmp_path / "run-tp1.sqlite", 1, 9, 7)
+
+    def run(*names: str):
+        monkeypatch.setenv(ENV_DIR, str(tmp_path))
+        monkeypatch.setenv(ENV_RECORDING, "\n".join(names))
+        monkeypatch.setenv(ENV_REFRESH, "3600")
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return tmp_path, run
+
+
+def test_a_recording_that_grows_keeps_its_picked_step(own_ranks):
+    # A slider whose range changed is a new widget to Streamlit, which started it at its minimum: next to a
+    # recording being written, a step picked on it jumped back to 0 at the next rerun.
+    from tests.dashboard.conftest import rank_recording
+
+    d, run = own_ranks
+    at = run("run-tp0.sqlite", "run-tp1.sqlite")
+    at.slider(key="step@run-tp1.sqlite").set_value(7).run()
+    (d / "run-tp1.sqlite").unlink()
+    rank_recording(d / "run-tp1.sqlite", 1, 12, 7)  # three more steps, as a live writer adds them
+    at.slider(key="step").set_value(2).run()  # the other recording's slider
+    assert not at.exception, [e.value for e in at.exception]
+    grown = at.slider(key="step@run-tp1.sqlite")
+    assert (grown.value, grown.max) == (7, 12)
+    assert at.slider(key="step").value == 2
+
+
+def test_a_picked_recording_that_disappears_says_so_in_its_column(own_ranks):
+    # It was dropped from the selection without a word (a picked value missing from the options).
+    d, run = own_ranks
+    at = run("run-tp0.sqlite")
+    at.multiselect(key="recordings").select("run-tp1.sqlite").run()
+    (d / "run-tp1.sqlite").unlink()
+    at.run()
+    assert at.multiselect(key="recordings").value == ["run-tp0.sqlite", "run-tp1.sqlite"]
+    _, right = side_by_side(at)
+    assert [e.value for e in right.error] == [
+        f"{(d / 'run-tp1.sqlite').resolve()}: no such file (expected a flight recording)"
+    ]
+
+
+def test_a_recording_named_with_a_leading_tilde_opens(own_ranks):
+    # Path.expanduser read "~x" as user x's home and raised (no such user): the recording could not be opened.
+    from tests.dashboard.conftest import rank_recording
+
+    d, run = own_ranks
+    rank_recording(d / "~x.sqlite", 0, 6, 4)
+    at = run("~x.sqlite")
+    assert not at.error, [e.value for e in at.error]
+    assert at.caption[0].value.startswith("`~x.sqlite`")

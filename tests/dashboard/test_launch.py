@@ -187,3 +187,14 @@ def test_dashboard_command_stopped_by_sigterm_takes_the_app_with_it(tmp_path):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; a listener still refuses
         s.bind(("127.0.0.1", port))
         s.listen()  # the app is gone: nobody listens on its port any more
+
+
+def test_a_leading_tilde_is_a_home_only_as_a_shell_reads_it(tmp_path, monkeypatch):
+    from dashboard.launch import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~x.sqlite").touch()
+    assert resolve("~x.sqlite") == (tmp_path.resolve(), "~x.sqlite")  # a name, not user x's home
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve("~/~x.sqlite") == (tmp_path.resolve(), "~x.sqlite")
+    assert RecordingDir("~").root == tmp_path.resolve()
