@@ -27,8 +27,10 @@ Contracts (writer, ``FlightRecorder(alloc, path, ...)``):
   file back to a single-file rollback journal when no reader holds it. Schema and initial snapshot (the state
   when recording started, so that replay always has a base) are committed before the constructor returns. An
   existing recording at ``path`` is replaced only with ``overwrite=True``; any other existing file is never
-  replaced. Two writers started at once on one path: one records, the other gets ``RecorderError`` (the file is
-  created with ``O_EXCL`` and ``flock``-ed until its first commit; see ``_claim_path``).
+  replaced. Two writers on one path (started at once, or an ``overwrite=True`` while another writes): one
+  records, the other gets ``RecorderError`` (the file is created with ``O_EXCL`` and ``flock``-ed until
+  ``close()``; see ``_claim_path``). A file a writer left before its first commit (empty, or SQLite with none of
+  a recording's metadata) is taken over. A symlink is recorded through (its target is the file).
 - Ordering: events are written in ``seq`` order, each batch and its snapshot in one transaction. A violation is
   committed as soon as it is written; other events are committed every ``flush_interval`` seconds or every
   ``_COMMIT_ROWS`` rows, whichever comes first. Durability: ``synchronous=NORMAL``: a killed process loses nothing
@@ -95,6 +97,7 @@ import logging
 import operator
 import os
 import queue
+import re
 import sqlite3
 import struct
 import sys
@@ -251,9 +254,12 @@ def _fields_of(cls: type) -> tuple:
 
 
 def _rid(r):
-    """A request id as stored: str and int as they are, None as NULL, anything else as its repr."""
-    if r is None or isinstance(r, str) or (isinstance(r, int) and not isinstance(r, bool)):
+    """A request id as stored: str and int as they are (an int beyond SQLite's 64 bits, e.g. ``uuid4().int``, as
+    its decimal text), None as NULL, anything else as its repr."""
+    if r is None or isinstance(r, str):
         return r
+    if isinstance(r, int) and not isinstance(r, bool):
+        return r if -(1 << 63) <= r < (1 << 63) else str(r)
     if isinstance(r, np.integer):
         return int(r)
     return repr(r)
@@ -571,7 +577,7 @@ class _BlockWriter:
                                 values.append(t)
                         entries.append({"r": values})
                 elif role == _RID:
-                    if not types <= _RID_TYPES:
+                    if not types <= _RID_TYPES or int in types:  # int: one beyond 64 bits is stored as text
                         col = list(map(_rid, col))
                     if types != {_NONE_TYPE}:
                         pairs.update((r, s) for r, s in zip(col, step_col) if r is not None)
@@ -1053,10 +1059,12 @@ def _claim_path(path: str, overwrite: bool) -> int:
     Why a lock: two writers started at once on one path (two ranks given the same file name) must not both
     "create" it, and neither may delete the file the other is filling (an empty file looks like one a dead writer
     left). So the file is created with ``O_EXCL``; an existing one is locked (without waiting: held means another
-    writer is creating it right now, a clear error) before it is judged: empty (left by a writer that died before
-    its first commit, or touched): filled in place; a recording: an error, or with ``overwrite`` removed and
-    created anew; anything else: an error. The lock is ``flock``, which is independent of SQLite's own ``fcntl``
-    locks, so readers and the writer's connection are not affected by it."""
+    writer is creating or writing it right now, a clear error) before it is judged: empty, or a SQLite file with
+    none of a recording's metadata (left by a writer that died before its first commit, or touched): filled in
+    place; a recording: an error, or with ``overwrite`` removed and created anew; anything else: an error. The
+    writer keeps the lock until ``close()``, so that an ``overwrite`` started meanwhile cannot delete the file it
+    is filling. The lock is ``flock``, which is independent of SQLite's own ``fcntl`` locks, so readers and the
+    writer's connection are not affected by it. ``path`` is the file itself (symlinks resolved by the caller)."""
 
     def fail(why: str) -> RecorderError:
         return RecorderError(f"cannot write flight recording {path!r}: {why}")
@@ -1075,7 +1083,7 @@ def _claim_path(path: str, overwrite: bool) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise fail("another writer is creating a recording there right now") from None
+                raise fail("another writer is creating or writing a recording there right now") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
             except FileNotFoundError:
@@ -1083,6 +1091,8 @@ def _claim_path(path: str, overwrite: bool) -> int:
             if not same:
                 os.close(fd)  # replaced by another writer between our open and our lock: look again
                 continue
+            if not fresh and os.fstat(fd).st_size > 0 and not _is_recording(path) and _is_abandoned(path):
+                os.ftruncate(fd, 0)  # a writer died while making it: ours to fill, as an empty file
             if fresh or os.fstat(fd).st_size == 0:
                 for suffix in ("-wal", "-shm"):  # a WAL left by an older file at this path would be replayed into ours
                     with contextlib.suppress(FileNotFoundError):
@@ -1099,6 +1109,23 @@ def _claim_path(path: str, overwrite: bool) -> int:
             raise
         os.close(fd)
     raise fail("the file kept changing while it was being created (several writers on one path?)")
+
+
+_TABLES = frozenset(re.findall(r"CREATE TABLE (\w+)", _SCHEMA))
+
+
+def _is_abandoned(path: str) -> bool:
+    """Whether ``path`` is a SQLite file a writer left before its first commit: nothing but (some of) a
+    recording's tables, and no metadata. (A writer killed between switching the file to WAL and committing its
+    metadata leaves one; it blocked the path for good, overwrite or not.)"""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True)) as c:
+            names = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not {n for n in names if not n.startswith("sqlite_")} <= _TABLES:
+                return False
+            return "meta" not in names or c.execute("SELECT 1 FROM meta LIMIT 1").fetchone() is None
+    except sqlite3.Error:
+        return False
 
 
 def _is_recording(path: str) -> bool:
@@ -1202,7 +1229,8 @@ class FlightRecorder:
         self._kindsets: set = set()  # the kinds bit sets already in table kindsets
         self._new_kindsets: list = []
 
-        self._path_lock: int | None = None  # see _claim_path: held until the file is a complete recording
+        self._path_lock: int | None = None  # see _claim_path: held until close()
+        ok = False
         try:
             self._conn = self._create(overwrite, meta)
             try:
@@ -1218,12 +1246,13 @@ class FlightRecorder:
                     raise
             except BaseException as exc:
                 self._conn.close()
-                _remove_recording(self.path)  # ours since _create: a half-made file would block the path for good
+                _remove_recording(self._real_path)  # ours since _create: a half-made file would block the path
                 if isinstance(exc, (sqlite3.Error, OSError)):
                     raise RecorderError(f"cannot write flight recording {self.path!r}: {exc}") from exc
                 raise
+            ok = True
         finally:
-            if self._path_lock is not None:
+            if not ok and self._path_lock is not None:
                 os.close(self._path_lock)  # releases the flock
                 self._path_lock = None
         lost = self._lost
@@ -1237,8 +1266,11 @@ class FlightRecorder:
         path = self.path
         if os.path.isdir(path):
             raise RecorderError(f"cannot write flight recording {path!r}: it is a directory")
+        # Claimed, and removed on a failure, as the file itself: a symlink (even to a file not made yet) is
+        # recorded through, as SQLite does.
+        self._real_path = real = os.path.realpath(path)
         try:
-            self._path_lock = _claim_path(path, overwrite)
+            self._path_lock = _claim_path(real, overwrite)
         except OSError as exc:
             if isinstance(exc, RecorderError):
                 raise
@@ -1249,7 +1281,7 @@ class FlightRecorder:
         try:
             conn = _open_writer(path)
         except (sqlite3.Error, OSError) as exc:
-            _remove_recording(path)
+            _remove_recording(real)
             raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
         try:
             snaps = alloc.snapshot()
@@ -1279,7 +1311,7 @@ class FlightRecorder:
             conn.execute("COMMIT")
         except BaseException as exc:
             conn.close()
-            _remove_recording(path)
+            _remove_recording(real)
             if isinstance(exc, (sqlite3.Error, OSError)):
                 raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
             raise
@@ -1418,6 +1450,9 @@ class FlightRecorder:
         except queue.Full:
             logger.warning("flight recorder %s: the writer did not take the stop request", self.path)
         self._thread.join(timeout)
+        if self._path_lock is not None:
+            os.close(self._path_lock)  # the path is free for another writer (see _claim_path)
+            self._path_lock = None
 
     def __enter__(self) -> FlightRecorder:
         return self

@@ -7,6 +7,7 @@ bit-identical results), driven by ``drive`` below from hypothesis draws or a see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -778,7 +779,8 @@ def test_a_path_another_writer_is_creating_is_refused_and_kept(tmp_path):
             with pytest.raises(RecorderError) as info:
                 FlightRecorder(e.w, path, overwrite=overwrite)
             assert str(info.value) == (
-                f"cannot write flight recording {str(path)!r}: another writer is creating a recording there right now"
+                f"cannot write flight recording {str(path)!r}: another writer is creating or writing a recording "
+                "there right now"
             )
         assert os.stat(path).st_ino == ino and path.stat().st_size == 0  # the other writer's file, untouched
         assert e.w.bus.sinks == sinks_before
@@ -843,11 +845,89 @@ def test_two_writers_started_at_once_on_one_path(tmp_path):
         assert sorted(o.split(" ")[0] for o in outs) == ["RECORDED", "REFUSED"], outs
         refusal = next(o for o in outs if o.startswith("REFUSED"))
         assert refusal.endswith(
-            ("another writer is creating a recording there right now", "a recording exists there (pass overwrite=True)")
+            (
+                "another writer is creating or writing a recording there right now",
+                "a recording exists there (pass overwrite=True)",
+            )
         ), refusal
         winner = outs.index("RECORDED")
         with Recording(path) as r:
             assert r.meta["rank"] == winner and r.steps() == (0, 5)
+
+
+def test_a_recording_being_written_is_not_overwritten(tmp_path):
+    # overwrite=True while another writer fills the file: the writer kept its lock only until its constructor
+    # returned, so the second deleted the first's live file (it then stopped: "deleted or replaced").
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "r.db"
+    first = FlightRecorder(e.w, path)
+    with pytest.raises(RecorderError, match="another writer is creating or writing a recording there right now"):
+        FlightRecorder(Engine("paged-4", False, "immediate").w, path, overwrite=True)
+    e.w.step()
+    first.close()
+    assert first.failed is None
+    with Recording(path) as r:
+        assert r.steps() == (0, 1)
+    FlightRecorder(e.w, path, overwrite=True).close()  # closed: free to replace
+
+
+def test_a_symlink_to_a_file_not_made_yet_is_recorded_through(tmp_path):
+    e = Engine("paged-4", False, "immediate")
+    target = tmp_path / "data" / "r.db"
+    target.parent.mkdir()
+    link = tmp_path / "r.db"
+    link.symlink_to(target)
+    with FlightRecorder(e.w, link):
+        e.w.step()
+    assert link.is_symlink()
+    with Recording(target) as r:
+        assert r.steps() == (0, 1)
+
+
+def test_a_file_left_by_a_writer_killed_while_making_it_is_taken_over(tmp_path):
+    # A writer killed after switching the file to WAL and before committing its metadata leaves a SQLite file with
+    # (some of) the tables and no metadata: every later writer was refused, overwrite or not.
+    e = Engine("paged-4", False, "immediate")
+    for n, tables in enumerate((0, 2, len(recorder_mod._TABLES))):
+        path = tmp_path / f"r{n}.db"
+        with contextlib.closing(sqlite3.connect(path)) as c:  # closed: the writer that made it is gone
+            c.execute("PRAGMA journal_mode = WAL")
+            for stmt in [x for x in recorder_mod._SCHEMA.split(";") if "CREATE TABLE" in x][:tables]:
+                c.execute(stmt)
+            if not tables:
+                c.execute("PRAGMA user_version = 1")  # a header page, no table
+            c.commit()
+        assert path.stat().st_size > 0
+        with FlightRecorder(e.w, path):
+            e.w.step()
+        with Recording(path) as r:
+            assert r.meta["format_version"] == FORMAT_VERSION
+    other = tmp_path / "other.db"  # a database of someone else's: never replaced
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE notes (x)")
+    with pytest.raises(RecorderError, match="the file exists and is not a recording"):
+        FlightRecorder(e.w, other, overwrite=True)
+
+
+def test_a_request_id_beyond_64_bits_is_stored_as_its_text(tmp_path):
+    # uuid4().int ids stopped the writer at its first commit (SQLite INTEGER is 64-bit): every event was lost.
+    import uuid
+
+    rid = uuid.UUID("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0").int
+    e = Engine("paged-4", False, "immediate")
+    path = tmp_path / "r.db"
+    with FlightRecorder(e.w, path) as rec:
+        with e.w.batch([rid]):
+            slots = e.w.alloc(8)
+        e.w.free(slots)
+        e.w.free(slots)  # a double free, attributed to nobody; the release below is clean
+        e.w.release_request(rid)
+        e.w.step()
+    assert rec.failed is None
+    with Recording(path) as r:
+        assert r.request_span(str(rid)) is not None
+        released = [ev_ for ev_ in r.events() if type(ev_) is ev.RequestReleased]
+        assert [x.rid for x in released] == [str(rid)]
 
 
 def test_corrupt_values_are_a_clear_error(tmp_path):
