@@ -265,7 +265,7 @@ def main() -> None:
     picked = st.session_state.get("recordings") or []
     names = list(dict.fromkeys([*(n for n in wanted if n not in names), *names, *picked]))
     with st.sidebar:
-        st.caption(f"Recordings under `{rdir.root}` (read-only)")
+        st.caption(f"Recordings under {views.code(str(rdir.root))} (read-only)")
         if not names:
             st.info("No recording here yet (files ending in " + ", ".join(data.SUFFIXES) + ").")
             return
@@ -282,7 +282,7 @@ def main() -> None:
     if not chosen:
         st.info("Pick one or more recordings in the sidebar.")
         return
-    st.caption(" · ".join(f"`{n}`" for n in chosen) + f" · {view}")
+    st.caption(" · ".join(map(views.code, chosen)) + f" · {view}")
     if view == "Live":
         live(rdir, chosen)
         return

@@ -39,6 +39,20 @@ def run_identity(meta: Mapping) -> str:
     return " · ".join(f"{k} {_md(str(meta[k]))}" for k in RUN_KEYS if meta.get(k) is not None)
 
 
+def code(text: str) -> str:
+    """``text`` as one markdown code span, whatever it holds: fenced by more backticks than its longest run of
+    them (padded with a space where it starts or ends with one), so that a name with a backtick cannot open or
+    close a span of its own and leave ``$...$``, ``a@b`` or ``*`` outside one (rendered as maths, a mail link,
+    emphasis)."""
+    longest = run = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _n(n: int, what: str) -> str:
     return f"{n:,} {what}" + ("" if n == 1 else "s")
 
@@ -49,7 +63,7 @@ def recording_caption(name: str, ov) -> str:
     (first, last, meta, events, violations, finished)."""
     who = run_identity(ov.meta)
     return (
-        f"`{name}` · "
+        f"{code(name)} · "
         + (f"{who} · " if who else "")
         + f"steps {ov.first}..{ov.last} · {_n(ov.events, 'event')} · {_n(ov.violations, 'violation')} · page size "
         f"{ov.meta.get('page_size')} · window {ov.meta.get('sliding_window')} · "

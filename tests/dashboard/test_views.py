@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dashboard import views
 from exporters.recorder import RecordingError, RecordingNotFoundError
@@ -317,3 +318,19 @@ def test_run_identity_and_recording_caption():
         "`a.sqlite` · steps 0..0 · 1 event · 0 violations · page size 16 · window 128 · not closed (still being "
         "written, or cut off by a crash)"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "span"),
+    [
+        ("run-tp0.sqlite", "`run-tp0.sqlite`"),
+        ("tick`name.sqlite", "``tick`name.sqlite``"),
+        ("a``b", "```a``b```"),
+        ("`edge`", "`` `edge` ``"),
+        ("math $x$ a@b.sqlite", "`math $x$ a@b.sqlite`"),
+    ],
+)
+def test_a_name_is_one_code_span_whatever_it_holds(text, span):
+    # Backtick-fenced as they were, a name with a backtick closed its span early: the rest of the caption
+    # rendered as maths ($x$), mail links (a@b.sqlite) and a stray span.
+    assert views.code(text) == span
