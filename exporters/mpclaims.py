@@ -147,9 +147,7 @@ def claim(directory: str, kind: str, labels: Mapping[str, str] | None, owner) ->
         _lock(fd, directory)
         try:
             return _decide(directory, kind, labels, owner, digest, me, mine)
-        except OSError as exc:
-            if str(exc).startswith("multiprocess metrics"):
-                raise
+        except OSError as exc:  # the file system's (ClaimError is a ValueError)
             raise OSError(
                 exc.errno, f"multiprocess metrics: cannot claim {kind} in {directory}: {exc.strerror or exc}"
             ) from exc

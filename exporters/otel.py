@@ -674,21 +674,14 @@ class _CountingProcessors:
         for p in self.processors:
             p.admit(span)
 
-    @property
-    def queue_full(self) -> int:
-        return sum(p.queue_full for p in self.processors)
+    def _total(name: str) -> property:  # a helper of the class body (deleted below), not a method
+        return property(lambda self: sum(getattr(p, name) for p in self.processors))
 
-    @property
-    def dropped(self) -> int:
-        return sum(p.dropped for p in self.processors)
-
-    @property
-    def exported(self) -> int:
-        return sum(p.exported for p in self.processors)
-
-    @property
-    def failed_exports(self) -> int:
-        return sum(p.failed_exports for p in self.processors)
+    queue_full = _total("queue_full")
+    dropped = _total("dropped")
+    exported = _total("exported")
+    failed_exports = _total("failed_exports")
+    del _total
 
 
 # -- OTLP encoding ----------------------------------------------------------------------------------------------

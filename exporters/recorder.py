@@ -1054,7 +1054,7 @@ class _Tally:
 
 def _claim_path(path: str, overwrite: bool) -> int:
     """The file at ``path``, made ours: returns an open descriptor holding an exclusive ``flock`` on it, which the
-    constructor keeps until the file is a complete recording (schema, metadata, first snapshot committed).
+    writer keeps until ``close()``.
 
     Why a lock: two writers started at once on one path (two ranks given the same file name) must not both
     "create" it, and neither may delete the file the other is filling (an empty file looks like one a dead writer
@@ -1091,15 +1091,17 @@ def _claim_path(path: str, overwrite: bool) -> int:
             if not same:
                 os.close(fd)  # replaced by another writer between our open and our lock: look again
                 continue
-            if not fresh and os.fstat(fd).st_size > 0 and not _is_recording(path) and _is_abandoned(path):
+            empty = fresh or os.fstat(fd).st_size == 0
+            if not empty and not _is_recording(path):
+                if not _is_abandoned(path):
+                    raise fail("the file exists and is not a recording")
                 os.ftruncate(fd, 0)  # a writer died while making it: ours to fill, as an empty file
-            if fresh or os.fstat(fd).st_size == 0:
+                empty = True
+            if empty:
                 for suffix in ("-wal", "-shm"):  # a WAL left by an older file at this path would be replayed into ours
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(path + suffix)
                 return fd
-            if not _is_recording(path):
-                raise fail("the file exists and is not a recording")
             if not overwrite:
                 raise fail("a recording exists there (pass overwrite=True)")
             _remove_recording(path)  # ours to replace: we hold its lock, so no other writer is filling it
@@ -1277,7 +1279,7 @@ class FlightRecorder:
             raise RecorderError(f"cannot write flight recording {path!r}: {exc}") from exc
         alloc = self._alloc
         # From here on the file at ``path`` is ours (created, empty, or a recording we were allowed to replace, and
-        # locked until the constructor returns): a failure removes what it left.
+        # locked until close()): a failure removes what it left.
         try:
             conn = _open_writer(path)
         except (sqlite3.Error, OSError) as exc:
