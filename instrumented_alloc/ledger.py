@@ -6,9 +6,19 @@ Contract:
 - ``ledger[rid]`` returns a ``ReqKvInfo`` view. Assigning ``kv_allocated_len``, ``kv_committed_len`` or
   ``swa_evicted_seqlen`` on it is the single checked write point (the seed's design: the check sits where the
   value is stored, so every caller passes the same gate). A rejected value is never stored: the old one stays.
-- The checks at a write are the catalog's ledger rules (``invariants.py``): page alignment of the allocated and
-  evicted lengths, committed <= allocated, evicted <= allocated, evicted monotonic while the request holds KV,
-  nothing inside the sliding window evicted (``seq_len`` is the committed length).
+- The checks at a write are the catalog's ledger rules (``invariants.py``): page alignment of the evicted length,
+  and of the allocated length where the engine promises it (``aligned_allocated``: the host-allocator contract of
+  SGLang's #35223; SGLang 0.5.23 counts ``kv_allocated_len`` in tokens, its pages being the ceiling), committed <=
+  allocated, evicted <= allocated, evicted monotonic while the request holds KV, nothing inside the sliding window
+  evicted (``seq_len`` is the committed length).
+- ``cache_protected_len`` (the ``protected`` column, tokens, page-aligned): the request's first tokens whose KV the
+  prefix cache owns (a matched prefix, or what the request handed to the cache). The request's own pages are
+  those of ``[cache_protected_len, kv_allocated_len)``. Written by the engine adapter (``protect``), never by the
+  request's allocations; no event carries it.
+- The prefix cache owns pages too. It is the ledger slot ``cache_slot()`` (reserved on first use, never released,
+  named ``CACHE_RID``): the shadows write that slot as the owner of cached pages, so frees and counts treat it as
+  any owner, while it is no request (not in ``live_slots()``, ``len()`` or iteration; no ledger row is compared
+  or published for it).
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
   cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``,
   ``wrapper._DecodeRoll``).
@@ -31,6 +41,8 @@ from instrumented_alloc.argcheck import ArgumentTypeError
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 
 FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
+# What the prefix cache's owner slot is called wherever a request id would stand (page maps, messages, Free events).
+CACHE_RID = "<prefix cache>"
 _COLUMNS = {"kv_allocated_len": "allocated", "kv_committed_len": "committed", "swa_evicted_seqlen": "evicted"}
 
 
@@ -68,6 +80,14 @@ class ReqKvInfo:
     def swa_evicted_seqlen(self, value: int) -> None:
         self._ledger.write(self.slot, "swa_evicted_seqlen", value)
 
+    @property
+    def cache_protected_len(self) -> int:
+        return self._ledger.protected.item(self.slot)
+
+    @cache_protected_len.setter
+    def cache_protected_len(self, value: int) -> None:
+        self._ledger.write_protected(self.slot, value)
+
     def __repr__(self) -> str:
         return (
             f"ReqKvInfo(rid={self.rid!r}, kv_allocated_len={self.kv_allocated_len}, "
@@ -91,15 +111,30 @@ class _RaisingObserver:
 class KvLedger:
     """Columnar per-request KV records, keyed by request id, stored by slot."""
 
-    def __init__(self, page_size: int, *, sliding_window: int | None = None, pools=("full",), capacity: int = 256):
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        sliding_window: int | None = None,
+        pools=("full",),
+        capacity: int = 256,
+        aligned_allocated: bool = True,
+    ):
         self.page_size = int(page_size)
         self.sliding_window = sliding_window
         self.pools = tuple(pools)
+        # kv_allocated_len is promised page-aligned (True) or counts tokens (False: SGLang 0.5.23).
+        self.aligned_allocated = bool(aligned_allocated)
+        # The prefix cache's owner slot (see cache_slot), -1 until first used.
+        self.cache = -1
         self._observer = _RaisingObserver()
         # What a checked write holds while it checks, stores and reports: the wrapper's lock once it observes this
         # ledger (an engine thread writes a request's fields while another thread's call may grow the columns or
         # read the dirty set; the wrapper's calls hold that lock). Reentrant: the observer takes it again.
         self.lock = contextlib.nullcontext()
+        # slot -> a misaligned SWA evicted length an SWA tail allocation implied and the wrapper reported there:
+        # the engine's write of that value next is not reported again (one fault, one report).
+        self.reported_evicted: dict[int, int] = {}
         # Slots whose last write was rejected: their pages may legitimately disagree with the ledger until the
         # request is reset, and the root cause was already reported.
         self.tainted: set[int] = set()
@@ -118,9 +153,11 @@ class KvLedger:
         self.allocated = np.zeros(0, np.int64)
         self.committed = np.zeros(0, np.int64)
         self.evicted = np.zeros(0, np.int64)
+        self.protected = np.zeros(0, np.int64)  # cache_protected_len (tokens)
         self.live = np.zeros(0, bool)  # slot names a request that has not been released
         self.leaked = np.zeros(0, bool)  # released while still owning pages (reported once)
         self.peak_pages = np.zeros(0, np.int64)
+        self.released_step = np.zeros(0, np.int64)  # the step of the slot's last release (what a leak names)
         self.generation = np.zeros(0, np.int64)  # bumped when a slot is released: a reused slot is a new request
         self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
         self._grow(capacity)
@@ -133,7 +170,9 @@ class KvLedger:
             return out
 
         self.allocated, self.committed, self.evicted = ext(self.allocated), ext(self.committed), ext(self.evicted)
+        self.protected = ext(self.protected)
         self.live, self.leaked, self.peak_pages = ext(self.live), ext(self.leaked), ext(self.peak_pages)
+        self.released_step = ext(self.released_step)
         self.generation = ext(self.generation)
         self.owned = {p: ext(a) for p, a in self.owned.items()}
         self._free_slots.extend(range(cap - 1, self._cap - 1, -1))
@@ -207,6 +246,19 @@ class KvLedger:
     def rid_of(self, slot: int):
         return self._slot_rid[slot] if 0 <= slot < self._cap else None
 
+    def cache_slot(self) -> int:
+        """The prefix cache's owner slot: reserved the first time it is asked for (a request's slot numbers do not
+        change for an engine without a prefix cache), live for good, named ``CACHE_RID``, never bound to a request
+        id."""
+        if self.cache < 0:
+            if not self._free_slots:
+                self._grow(self._cap * 2)
+            slot = self._free_slots.pop()
+            self._slot_rid[slot] = CACHE_RID
+            self.live[slot] = True
+            self.cache = slot
+        return self.cache
+
     def slot_rids(self) -> list:
         """A copy of the slot -> request id list (None: a free slot), indexed by slot: ``rid_of`` for many slots,
         read later without the lock."""
@@ -249,7 +301,41 @@ class KvLedger:
     def reset(self, slot: int) -> None:
         """The request holds no KV any more (all its pages were freed: finished or retracted)."""
         self.version += 1
-        self.allocated[slot] = self.committed[slot] = self.evicted[slot] = 0
+        self.allocated[slot] = self.committed[slot] = self.evicted[slot] = self.protected[slot] = 0
+
+    def write_protected(self, slot: int, value) -> bool:
+        """``protect`` at the checked write point: a rejected value is reported (as any rejected write) and not
+        stored. Returns True when stored."""
+        with self.lock:
+            bad = self.protect(slot, value)
+            if bad:
+                self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
+                return False
+            return True
+
+    def protect(self, slot: int, value) -> list[tuple[str, str]]:
+        """Set the request's ``cache_protected_len`` (tokens whose KV the prefix cache owns, from position 0).
+        Returns the rules the value breaks (then nothing is stored): an int >= 0 and a multiple of page_size (the
+        cache holds whole pages). No event: it changes which pages are the request's own, which the step boundary
+        then compares (the slot is marked dirty)."""
+        if type(value) is not int:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ArgumentTypeError("cache_protected_len", f"expected an int, got {type(value).__name__}")
+            value = int(value)
+        ps = self.page_size
+        if value < 0 or value % ps:
+            old = self.protected.item(slot)
+            return [
+                (
+                    "ledger_matches_pages",
+                    f"cache_protected_len={value} is not a non-negative multiple of page_size={ps}: the prefix "
+                    f"cache holds whole pages; kept {old}",
+                )
+            ]
+        self.version += 1
+        self.protected[slot] = value
+        self.dirty.add(slot)
+        return []
 
     # -- mapping protocol ---------------------------------------------------------------------------------------
     def __getitem__(self, rid) -> ReqKvInfo:
@@ -284,11 +370,13 @@ class KvLedger:
         alloc, comm, ev = self.allocated.item(slot), self.committed.item(slot), self.evicted.item(slot)
         bad: list[tuple[str, str]] = []
         if field == "kv_allocated_len":
-            if value < 0 or value % ps:
+            if value < 0 or (value % ps and self.aligned_allocated):
                 bad.append(
                     (
                         "kv_allocated_len_page_aligned",
-                        f"kv_allocated_len={value} is not a non-negative multiple of page_size={ps} "
+                        f"kv_allocated_len={value} is negative; kept {alloc}"
+                        if value < 0 and not self.aligned_allocated
+                        else f"kv_allocated_len={value} is not a non-negative multiple of page_size={ps} "
                         f"(remainder {value % ps}); kept {alloc}",
                     )
                 )
@@ -324,12 +412,14 @@ class KvLedger:
                     ("swa_evicted_le_allocated", f"swa_evicted_seqlen={value} > kv_allocated_len={alloc}; kept {ev}")
                 )
             w = self.sliding_window
-            if w is not None and value > max(0, comm - w):
+            # The cached prefix's SWA KV is the cache's, not the request's: the request may count it as evicted
+            # (SGLang moves the evicted length past the prefix before its first eviction).
+            if w is not None and value > max(0, comm - w, self.protected.item(slot)):
                 bad.append(
                     (
                         "swa_evicted_within_window",
                         f"swa_evicted_seqlen={value} reaches into the window: seq_len={comm}, window={w}, "
-                        f"at most {max(0, comm - w)} may be evicted",
+                        f"at most {max(0, comm - w, self.protected.item(slot))} may be evicted",
                     )
                 )
         return bad
@@ -349,6 +439,14 @@ class KvLedger:
                 raise exc
             value = int(value)
         bad = self.check(slot, field, value)
+        if bad and field == "swa_evicted_seqlen" and self.reported_evicted.get(slot) == value:
+            # The value an SWA tail allocation implied, already reported there (see ``reported_evicted``): rejected,
+            # and only its other broken rules reported.
+            del self.reported_evicted[slot]
+            bad = [b for b in bad if b[0] != "swa_evicted_seqlen_page_aligned"]
+            if not bad:
+                self.tainted.add(slot)
+                return False
         if bad:
             self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
             return False

@@ -104,7 +104,7 @@ def entry_ids(n: int) -> np.ndarray:
     return _IDS[:n]
 
 
-def _pages_list(pages: np.ndarray, limit: int = 8) -> str:
+def pages_list(pages: np.ndarray, limit: int = 8) -> str:
     shown = ", ".join(str(int(p)) for p in pages[:limit])
     return f"[{shown}{', ...' if pages.size > limit else ''}] ({pages.size} pages)"
 
@@ -299,7 +299,7 @@ class PoolShadow:
                 bad.append(
                     (
                         "duplicate_allocation",
-                        f"{op} handed out {_pages_list(up)} to two requests in one call; page {page} went to request "
+                        f"{op} handed out {pages_list(up)} to two requests in one call; page {page} went to request "
                         f"slot {earlier} and to request slot {int(self.owner[page])}",
                         earlier,
                     )
@@ -321,7 +321,7 @@ class PoolShadow:
         return [
             (
                 "duplicate_allocation",
-                f"{op} handed out {_pages_list(twice)} to more than one unattributed request in one call "
+                f"{op} handed out {pages_list(twice)} to more than one unattributed request in one call "
                 f"({n_new} pages opened, {u.size} distinct)",
                 -1,
             )
@@ -389,7 +389,7 @@ class PoolShadow:
         return [
             (
                 "duplicate_allocation",
-                f"{op} handed out {_pages_list(np.unique(page_r))} more than once to one request in one call; page "
+                f"{op} handed out {pages_list(np.unique(page_r))} more than once to one request in one call; page "
                 f"{p0} went {int(times[rep][0])} times to request slot {s0}",
                 s0,
             )
@@ -472,7 +472,7 @@ class PoolShadow:
             bad.append(
                 (
                     "duplicate_allocation",
-                    f"{op} handed out pages outside the pool (valid 1..{self.num_pages}): {_pages_list(oob)}",
+                    f"{op} handed out pages outside the pool (valid 1..{self.num_pages}): {pages_list(oob)}",
                     -1,
                 )
             )
@@ -498,7 +498,7 @@ class PoolShadow:
                 slot = int(own_at[first])
                 was = _describe(int(bprev[first]))
                 bad.append(
-                    (inv, f"{op} handed out {_pages_list(up)} {what}; page {int(bpages[first])} was {was}", slot)
+                    (inv, f"{op} handed out {pages_list(up)} {what}; page {int(bpages[first])} was {was}", slot)
                 )
         taken = bprev[dup & (bprev >= 0)]
         if taken.size:
@@ -541,7 +541,7 @@ class PoolShadow:
                 bad.append(
                     (
                         "free_unallocated",
-                        f"{op} frees pages outside the pool (valid 1..{self.num_pages}): {_pages_list(oob)}",
+                        f"{op} frees pages outside the pool (valid 1..{self.num_pages}): {pages_list(oob)}",
                         -1,
                     )
                 )
@@ -564,7 +564,7 @@ class PoolShadow:
             bad.append(
                 (
                     "double_free",
-                    f"{op} frees {_pages_list(twice)} more than once in one call (no dedup on this path)",
+                    f"{op} frees {pages_list(twice)} more than once in one call (no dedup on this path)",
                     slot if slot >= 0 else -1,
                 )
             )
@@ -589,7 +589,7 @@ class PoolShadow:
             bad.append(
                 (
                     "double_free",
-                    f"{op} frees {_pages_list(np.unique(bp[double]))} that are not in use "
+                    f"{op} frees {pages_list(np.unique(bp[double]))} that are not in use "
                     f"(page {page} is {_describe(int(bprev[double][0]))}"
                     + (f", last owned by request slot {last})" if last >= 0 else ")"),
                     last,
@@ -599,7 +599,7 @@ class PoolShadow:
             bad.append(
                 (
                     "free_unallocated",
-                    f"{op} frees {_pages_list(np.unique(bp[unalloc]))} never handed out since clear()",
+                    f"{op} frees {pages_list(np.unique(bp[unalloc]))} never handed out since clear()",
                     -1,
                 )
             )
@@ -757,7 +757,7 @@ class PoolShadow:
                 bad.append(
                     (
                         "pool_conservation",
-                        f"sweep: pool {self.name}: {_pages_list(lost)} are neither in the free list nor handed out",
+                        f"sweep: pool {self.name}: {pages_list(lost)} are neither in the free list nor handed out",
                         -1,
                     )
                 )
@@ -769,7 +769,7 @@ class PoolShadow:
             bad.append(
                 (
                     "pool_conservation",
-                    f"sweep: pool {self.name}: {_pages_list(np.asarray(new_both))} are in the free list and in use "
+                    f"sweep: pool {self.name}: {pages_list(np.asarray(new_both))} are in the free list and in use "
                     f"(page {p0} is {_describe(int(owner[p0]))})",
                     int(owner[p0]) if owner[p0] >= 0 else -1,
                 )
@@ -780,7 +780,7 @@ class PoolShadow:
             bad.append(
                 (
                     "pool_conservation",
-                    f"sweep: pool {self.name}: {_pages_list(np.asarray(new_dups))} are listed more than once "
+                    f"sweep: pool {self.name}: {pages_list(np.asarray(new_dups))} are listed more than once "
                     "in the free list",
                     -1,
                 )

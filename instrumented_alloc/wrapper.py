@@ -66,6 +66,7 @@ from instrumented_alloc.shadow import (
     PoolSnapshot,
     entry_ids,
     has_repeat,
+    pages_list,
     sorted_unique,
 )
 
@@ -87,6 +88,10 @@ _B_RELEASED = ev.builder(ev.RequestReleased)
 _B_FOLD = ev.builder(ev.DecodeFold)
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
+# What a request's kv_allocated_len counts: whole pages (the host-allocator contract of SGLang's #35223: page-aligned,
+# and the wrapper shrinks it with the request's frees), or tokens (SGLang 0.5.23: the engine writes every length,
+# its pages are the ceiling, and frees leave the lengths to the engine).
+ALLOCATED_LEN = ("pages", "tokens")
 
 # Allocator methods the wrapper instruments. Any other attribute of the inner allocator is forwarded.
 INSTRUMENTED_OPS = (
@@ -218,6 +223,7 @@ class _CallState:
         "time_decode",
         "tls",
         "to_raise",
+        "track_lengths",
         "views",
         "want_alloc",
         "want_decode_alloc",
@@ -252,6 +258,9 @@ class _CallState:
         # (batch key, shadow version, streak) after the last verified _decode_fast call: see _decode_fast
         self.roll_key = None
         self.ledger = self.pools = self.full = self.swa = self.counts = None  # set by the wrapper's __init__
+        # The wrapper keeps each request's lengths in step with its frees (True), or they are the engine's alone
+        # (False: allocated_len="tokens"; see InstrumentedAllocator).
+        self.track_lengths = True
         # (attribute, pool name) -> the checked view of that pool's own allocator (see InstrumentedAllocator._w_sub).
         self.views: dict = {}
 
@@ -661,6 +670,26 @@ def _pool_view(owner, attr: str, pool: str, allocator) -> _PoolView:
     return view
 
 
+class _CacheInsert:
+    """``InstrumentedAllocator.cache_insert``'s context manager: ``taken`` is the caller's to set."""
+
+    __slots__ = ("_alloc", "_rid", "_slot", "_slots", "held")
+
+    def __init__(self, alloc, rid, slots):
+        self._alloc, self._rid, self._slots = alloc, rid, slots
+        self._slot = None
+        self.held = None
+
+    def __enter__(self):
+        if not self._alloc._w_st.off:
+            self._slot = self._alloc._cache_offer(self._rid, self._slots)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._slot is not None and self.held is not None:
+            self._alloc._cache_take(self._slot, self.held)
+
+
 class InstrumentedAllocator:
     """Wrap ``inner`` (an allocator with SGLang's interface). See the module docstring for the contracts.
 
@@ -708,9 +737,12 @@ class InstrumentedAllocator:
         clock: Callable[[], float] = time.perf_counter,
         snapshot_every: int = 0,
         max_violations: int = 1000,
+        allocated_len: str = "pages",
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if allocated_len not in ALLOCATED_LEN:
+            raise ValueError(f"allocated_len: expected one of {ALLOCATED_LEN}, got {allocated_len!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify: expected one of {VERIFY}, got {verify!r}")
         if sliding_window is not None:
@@ -763,7 +795,7 @@ class InstrumentedAllocator:
             names, allocs = ("full",), (logical,)
         else:
             names, allocs = ("full",), (inner,)
-        ledger = KvLedger(ps, sliding_window=sliding_window, pools=names)
+        ledger = KvLedger(ps, sliding_window=sliding_window, pools=names, aligned_allocated=allocated_len == "pages")
         ledger._observer = self
         ledger.lock = self._w_lock  # checked writes from the engine's threads are serialised with the calls
         s(self, "ledger", ledger)
@@ -817,6 +849,7 @@ class InstrumentedAllocator:
         st.pending, st.consts, st.steps, st.device = self._w_pending, self._w_consts, self._w_steps, device
         st.deferred, st.host, st.raising, st.need_sort = deferred, self._w_host, self._w_raise, need_sort
         st.off = self._w_off
+        st.track_lengths = allocated_len == "pages"
         st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
         st.capture_before = self._w_capture_before
         st.fast_decode, st.fast_alloc, st.fast_free = self._w_fast_decode, self._w_fast_alloc, self._w_fast_free
@@ -1208,6 +1241,106 @@ class InstrumentedAllocator:
             memo[rids] = (led, led.epoch, bound)
         return tls
 
+    def cache_insert(self, rid, slots) -> _CacheInsert:
+        """The engine inserts request ``rid``'s KV into its prefix cache (SGLang's ``tree_cache.checkpoint``), as a
+        context manager around the insert: ``with alloc.cache_insert(rid, offered) as ins: ...; ins.held = slots``.
+
+        ``offered``: the request's slots of the positions it offers, ``[cache_protected_len, up_to)`` of its row
+        as it is before the insert. Every page of them must be the request's own: one the prefix cache owns
+        already is a page handed to the cache twice, one free or another request's is not the request's to give
+        (``double_free``, naming the request). During the insert the engine frees the pages the cache already had
+        a copy of (as any free). ``ins.held`` (set by the caller before the block ends; None: nothing taken) are
+        the slots the cache now holds for the request: its row over the positions that became protected, as it is
+        after the insert (SGLang points it at the cache's own slots). Every page of them, and every SWA page they
+        map to, that the request still owns passes to the cache (a cache that already held a position may adopt
+        the request's SWA page for it). Index tensors are read as the slot tier reads indices: at once on the
+        host, once their copies land from a device (taken at the call). The request's ``cache_protected_len`` is
+        the engine's to write (``ledger[rid]``)."""
+        return _CacheInsert(self, rid, slots)
+
+    def _cache_offer(self, rid, slots):
+        """``cache_insert``'s entry, under the lock: the request's slot, the offered slots, the check queued."""
+        st = self._w_st
+        with st.lock:
+            st.op = "cache_insert"
+            self._validate("cache_insert", check_index_tensor, "slots", slots, st.device)
+            led = st.ledger
+            try:
+                known = rid in led
+            except TypeError:
+                known = False
+            if not known:
+                self._invalid("cache_insert", ArgumentValueError("rid", f"unknown request id {rid!r}"), rid=rid)
+            slot = led.slot_of(rid, create=False)
+            cache = led.cache_slot()
+            full = st.full
+            ps = st.ps
+
+            def check(o: np.ndarray) -> None:
+                pages = sorted_unique(o // ps)
+                prev = full.shadow._owner_ext.take(pages, mode="clip")
+                bad = (prev != slot) & (prev != -1)
+                if not bad.any():
+                    return
+                for mask, what in (
+                    (prev == cache, "which the prefix cache owns already: handed to it twice"),
+                    ((prev != cache) & bad, "which are not its own"),
+                ):
+                    mask &= bad
+                    if mask.any():
+                        first = int(prev[mask][0])
+                        who = (
+                            "free" if first <= FREE else f"owned by request {led.rid_of(first)!r}" if first >= 0 else ""
+                        )
+                        self._violate(
+                            "double_free",
+                            f"request {rid!r} offers the prefix cache {pages_list(pages[mask])} {what}"
+                            + (f" (page {int(pages[mask][0])} is {who})" if who and first != cache else ""),
+                            slot=slot,
+                            op="cache_insert",
+                            pool="full",
+                        )
+
+            self._slot_tier(check, slots)
+            self._finish()
+        return slot
+
+    def _cache_take(self, slot: int, held) -> None:
+        """``cache_insert``'s exit, under the lock: the pages of ``held`` still owned by ``slot`` pass to the
+        prefix cache, in the full pool and through the SWA mapping in the SWA pool."""
+        st = self._w_st
+        with st.lock:
+            st.op = "cache_insert"
+            self._validate("cache_insert", check_index_tensor, "held", held, st.device)
+            if held.numel():
+                led = st.ledger
+                cache = led.cache_slot()
+                ps = st.ps
+                taken_slots = held
+
+                def take(o: np.ndarray, peers: np.ndarray | None = None) -> None:
+                    parts = [(st.full, o)]
+                    if peers is not None and st.swa is not None:
+                        parts.append((st.swa, peers[peers > 0]))
+                    for pool, idx in parts:
+                        if not idx.size:
+                            continue
+                        shadow = pool.shadow
+                        pages = sorted_unique(idx // ps)
+                        mine = pages[shadow._owner_ext.take(pages, mode="clip") == slot]
+                        if mine.size:
+                            shadow._set(mine, cache)
+                            owned = led.owned[pool.name]
+                            owned[slot] -= mine.size
+                            owned[cache] += mine.size
+                            led.dirty.add(slot)
+
+                if st.swa is not None and self._w_swa_frees == "peers":
+                    self._slot_tier(take, taken_slots, self._peers_at(taken_slots))
+                else:
+                    self._slot_tier(take, taken_slots)
+            self._finish()
+
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
@@ -1297,9 +1430,20 @@ class InstrumentedAllocator:
             self._boundary_checks("flush", every_request=True)
             self._finish()
 
-    def check_consistency(self) -> list[Violation]:
+    def check_consistency(self, *, cached=None, idle: bool = False) -> list[Violation]:
         """A full sweep, for idle time: conservation against the inner's free lists, free-list duplicates,
-        pages owned by finished requests, the SWA mapping, the ledger against the pages. May synchronise."""
+        pages owned by finished requests, the SWA mapping, the ledger against the pages. May synchronise.
+
+        ``cached`` (optional): the full-pool slots the engine's prefix cache holds now (SGLang's
+        ``tree_cache.all_values_flatten()``). The pool identity is then checked against the cache itself: free +
+        request-owned + cache-owned + staged + reserved == capacity, where the cache-owned pages are those the
+        cache holds. A page the wrapper saw handed to the cache that the cache holds no more (the cache lost it:
+        SGLang's idle check counts it as a leak), and a page the cache holds that was never handed to it, are
+        ``pool_conservation``, named with their pages and owners.
+
+        ``idle``: the engine says that no request holds KV now (SGLang's scheduler is fully idle, where it runs its
+        own leak check). A request the wrapper still knows that owns pages was never released: ``request_leak``,
+        naming it and its pages (once per request)."""
         if self._w_off:
             return []
         with self._w_lock:
@@ -1311,6 +1455,10 @@ class InstrumentedAllocator:
                 found += [(pool.name, b) for b in pool.shadow.check_census(pool.census())]
             for pool_name, (inv, msg, slot) in found:
                 self._violate(inv, msg, slot=slot, pool=pool_name, op="sweep")
+            if cached is not None:
+                self._sweep_cache(cached)
+            if idle:
+                self._sweep_unreleased()
             self._sweep_leaks()
             if self._w_st.swa is not None:
                 self._sweep_mapping()
@@ -1517,6 +1665,8 @@ class InstrumentedAllocator:
                 slots = bound[1]
             else:
                 slots = self._bound_slots(bs, op)  # raises: the bound batch does not match the call
+            if tail is not _ABSENT:
+                self._tail_evicted_check(op, seq_lens_cpu, tail, slots)
             if not st.capture_before:
                 before = None
             elif st.need_sort:
@@ -1648,6 +1798,33 @@ class InstrumentedAllocator:
             if st.events or st.to_raise or st.want_pages:
                 self._finish()
             return out
+
+    def _tail_evicted_check(self, op: str, seq_lens_cpu, tail: int, slots) -> None:
+        """An SWA tail allocation (PD decode prealloc) leaves the request's first ``seq_len - swa_tail_len``
+        positions without SWA KV: that evicted length must be a non-negative multiple of page_size (the seed's
+        invariant I2; ``free_swa_segment`` relies on it). Judged from host values before the call, so raise mode
+        refuses the allocation before anything is handed out, and before the engine's own check of the same rule
+        after the call (SGLang's bare ``assert``)."""
+        ps = self._w_ps
+        seq = int(seq_lens_cpu[0])
+        evicted = seq - int(tail)
+        if evicted >= 0 and not evicted % ps:
+            return
+        slot = -1 if slots is None else slots.item(0)
+        rid = None if slot < 0 else self._w_st.ledger.rid_of(slot)
+        if slot >= 0:
+            self._w_st.ledger.reported_evicted[slot] = evicted
+        self._violate(
+            "swa_evicted_seqlen_page_aligned",
+            (f"request {rid!r}: " if rid is not None else "")
+            + f"{op} with seq_len={seq}, swa_tail_len={tail} implies swa_evicted_seqlen={evicted}, not a "
+            f"non-negative multiple of page_size={ps} (remainder {evicted % ps})",
+            slot=slot,
+            op=op,
+            pool="swa",
+        )
+        if self._w_st.raising:
+            self._finish()  # raises: nothing is allocated
 
     def _extend_deferred(self, out, peer, full_args: tuple, swa_args: tuple | None, op: str) -> None:
         """Queue an extend's per-slot checks for when the slots' copies land (deferred verification). A method of
@@ -2369,7 +2546,7 @@ class InstrumentedAllocator:
         pool.shadow.free_owned(pages, s, n, dedup)
         # _after_free_one, inlined.
         led = st.ledger
-        if pool is full:
+        if pool is full and st.track_lengths:
             # The request's allocated length follows its full-pool pages when they shrink.
             cap = led.owned["full"].item(s) * ps
             allocated = led.allocated.item(s)
@@ -2386,12 +2563,14 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
-            if st.fold is not None:
-                self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
-            led.reset(s)
-            led.tainted.discard(s)
+            if st.track_lengths:  # else the engine's lengths: a request with no page left keeps them
+                if st.fold is not None:
+                    self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
+                led.reset(s)
+                led.tainted.discard(s)
         led.dirty.add(s)
-        if st.want_ledger and led.live.item(s):  # a released request's slot has no row to update
+        # A released request's slot has no row to update, nor has the prefix cache's.
+        if st.want_ledger and led.live.item(s) and s != led.cache:
             # prev[:1]: a view of a gather made for this free alone, never written.
             self._emit_ledger(op, prev[:1], rids or (led.rid_of(s),), private=True)
         if st.bus.active or st.to_raise or st.events:
@@ -2850,7 +3029,7 @@ class InstrumentedAllocator:
         for pool, owners, n_entries in touched:
             if owners.size:
                 slots_all.append(owners)
-                if pool.name == "full":
+                if pool.name == "full" and self._w_st.track_lengths:
                     if self._w_st.swa_frees == "pool":
                         self._one_pool_lengths(op, owners)
                     else:
@@ -2872,6 +3051,8 @@ class InstrumentedAllocator:
             empty = np.ones(slots.size, bool)
             for arr in led.owned.values():
                 empty &= arr[slots] <= 0
+            if not self._w_st.track_lengths:
+                empty[:] = False  # the engine's lengths: a request with no page left keeps them until it writes
             if self._w_st.fold is not None and empty.any():
                 self._flush_fold()  # an SWA free left a request no page: the fold's values before they reset
             for s in slots[empty]:
@@ -2882,6 +3063,8 @@ class InstrumentedAllocator:
             # never written, held by no one else. A released request's slot (its pages leaked, freed since) has no
             # ledger row to update: no entry (a LedgerUpdate names rows that exist; replay would revive it).
             live = led.live[slots]
+            if led.cache >= 0:
+                live &= slots != led.cache  # the prefix cache's slot has no ledger row
             self._emit_ledger(op, slots if live.all() else slots[live], private=True)
 
     def _one_pool_lengths(self, op: str, slots: np.ndarray) -> None:
@@ -2904,7 +3087,7 @@ class InstrumentedAllocator:
         pool, owners, n_entries = touched
         led = st.ledger
         s = int(owners[0])
-        if pool.name == "full":
+        if pool.name == "full" and st.track_lengths:
             if st.swa_frees == "pool":
                 self._one_pool_lengths(op, owners)
             else:
@@ -2924,12 +3107,14 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
-            if st.fold is not None:
-                self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
-            led.reset(s)
-            led.tainted.discard(s)
+            if st.track_lengths:  # else the engine's lengths: a request with no page left keeps them
+                if st.fold is not None:
+                    self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
+                led.reset(s)
+                led.tainted.discard(s)
         led.dirty.add(s)
-        if st.want_ledger and led.live.item(s):  # a released request's slot has no row to update
+        # A released request's slot has no row to update, nor has the prefix cache's.
+        if st.want_ledger and led.live.item(s) and s != led.cache:
             # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
             self._emit_ledger(op, owners, rids or (led.rid_of(s),), private=True)
 
@@ -3166,12 +3351,19 @@ class InstrumentedAllocator:
         for a in owned.values():
             total += a.item(slot)  # Python ints: no dict, no numpy scalars on the usual (clean) release
         peak = max(led.peak_pages.item(slot), owned["full"].item(slot))
+        led.released_step[slot] = st.step
         if total > 0:
             held = {n: a.item(slot) for n, a in owned.items()}
-            detail = ", ".join(f"{n}: {v}" for n, v in held.items() if v)
+            # The pages themselves (a leak is rare: the owner arrays are scanned only then).
+            detail = "; ".join(
+                f"{n}: {pages_list(np.flatnonzero(st.pools[n].shadow.owner == slot))}"
+                for n, v in held.items()
+                if v and n in st.pools
+            )
             self._violate(
                 "request_leak",
-                f"request {rid!r} released while still owning {total} pages ({detail})",
+                f"request {rid!r} released while still owning {total} pages, neither freed nor handed to the "
+                f"prefix cache ({detail})",
                 slot=slot,
                 op="release",
                 pool=next(n for n, v in held.items() if v),
@@ -3215,7 +3407,10 @@ class InstrumentedAllocator:
                 self._check_few_ledger_pages(op)
                 return
             slots = np.fromiter(dirty, np.int64, len(dirty))
-            slots = slots[led.live[slots]]
+            live = led.live[slots]
+            if led.cache >= 0:
+                live &= slots != led.cache  # the prefix cache's slot has no ledger row to compare
+            slots = slots[live]
         led.dirty.clear()
         if not slots.size:
             return
@@ -3223,9 +3418,13 @@ class InstrumentedAllocator:
         # Shifts where the page size is a power of two (they floor as // does, for a third of the cost).
         allocated = led.allocated[slots] + (ps - 1)
         want_full = allocated >> shift if shift is not None else allocated // ps
-        checks = [("full", want_full)]
+        # The request's own pages are those of [cache_protected_len, kv_allocated_len): the protected prefix (whole
+        # pages) is the prefix cache's, for its SWA KV too.
+        protected = led.protected[slots]
+        pages_protected = protected >> shift if shift is not None else protected // ps
+        checks = [("full", want_full - pages_protected)]
         if "swa" in led.owned or self._w_st.swa_frees == "pool":
-            evicted = led.evicted[slots]
+            evicted = np.maximum(led.evicted[slots], protected)
             want_swa = want_full - (evicted >> shift if shift is not None else evicted // ps)
             # The all-SWA allocator's one pool is its SWA pool (tracked as "full"): evicted pages leave it.
             checks = [("full", want_swa)] if "swa" not in led.owned else [*checks, ("swa", want_swa)]
@@ -3241,8 +3440,9 @@ class InstrumentedAllocator:
     def _check_few_ledger_pages(self, op: str) -> None:
         """``_check_ledger_pages`` of the dirty requests, one by one (for a handful of them)."""
         led = self._w_st.ledger
-        live, allocated, evicted = led.live, led.allocated, led.evicted
-        slots = [s for s in led.dirty if live.item(s)]  # the vector form's order: the set's, live ones only
+        live, allocated, evicted, protected = led.live, led.allocated, led.evicted, led.protected
+        cache = led.cache  # the prefix cache's slot has no ledger row to compare
+        slots = [s for s in led.dirty if live.item(s) and s != cache]  # the vector form's order: the set's
         led.dirty.clear()
         ps = self._w_ps
         full = led.owned["full"]
@@ -3250,14 +3450,17 @@ class InstrumentedAllocator:
         one_pool = self._w_st.swa_frees == "pool"  # the all-SWA allocator: evicted pages leave its one pool
         later = []  # the swa pool's mismatches, reported after every full one
         for s in slots:
-            want = (allocated.item(s) + ps - 1) // ps
+            # The request's own pages: those of [cache_protected_len, kv_allocated_len).
+            total = (allocated.item(s) + ps - 1) // ps
+            p = protected.item(s)
+            want = total - p // ps
             if one_pool:
-                want -= evicted.item(s) // ps
+                want = total - max(evicted.item(s), p) // ps
             have = full.item(s)
             if have != want:
                 self._ledger_mismatch(op, "full", s, want, have)
             if swa is not None:
-                want_swa = want - evicted.item(s) // ps
+                want_swa = total - max(evicted.item(s), p) // ps
                 have = swa.item(s)
                 if have != want_swa:
                     later.append((s, want_swa, have))
@@ -3275,15 +3478,76 @@ class InstrumentedAllocator:
         if reported.get(key) == fact:
             return
         reported[key] = fact
+        protected = int(led.protected[s])
         self._violate(
             "ledger_matches_pages",
             f"request {led.rid_of(s)!r}: kv_allocated_len={int(led.allocated[s])}"
+            + (f", cache_protected_len={protected}" if protected else "")
             + (f", swa_evicted_seqlen={int(led.evicted[s])}" if name == "swa" or self._w_st.swa_frees == "pool" else "")
             + f" means {want} {name} pages, it owns {have}",
             slot=s,
             op=op,
             pool=name,
         )
+
+    def _sweep_cache(self, cached) -> None:
+        """``check_consistency``'s comparison of the full pool's cache-owned pages with the cache's own."""
+        if not isinstance(cached, torch.Tensor) or cached.dim() != 1:
+            raise ArgumentTypeError("cached", f"expected a 1-D index tensor, got {type(cached).__name__}")
+        st = self._w_st
+        led = st.ledger
+        shadow = st.full.shadow
+        owner = shadow.owner
+        held = cached.detach().to("cpu").numpy().astype(np.int64, copy=False) // st.ps
+        held = sorted_unique(held[(held > 0) & (held < owner.size)])
+        cache = led.cache
+        ours = np.flatnonzero(owner == cache) if cache >= 0 else np.zeros(0, np.int64)
+        lost = np.setdiff1d(ours, held, assume_unique=True)
+        if lost.size and ("cache-lost", tuple(lost[:16].tolist())) not in shadow.reported:
+            shadow.reported.add(("cache-lost", tuple(lost[:16].tolist())))
+            self._violate(
+                "pool_conservation",
+                f"sweep: full pages {pages_list(lost)} were handed to the prefix cache, which holds them no more "
+                "and never freed them: neither free nor owned",
+                op="sweep",
+                pool="full",
+            )
+        foreign = held[owner[held] != cache] if cache >= 0 else held
+        if foreign.size and ("cache-foreign", tuple(foreign[:16].tolist())) not in shadow.reported:
+            shadow.reported.add(("cache-foreign", tuple(foreign[:16].tolist())))
+            first = int(owner[foreign[0]])
+            what = (
+                f"owned by request {led.rid_of(first)!r}"
+                if first >= 0
+                else "free" if first <= FREE else "handed out to no known request"
+            )
+            self._violate(
+                "pool_conservation",
+                f"sweep: the prefix cache holds full pages {pages_list(foreign)} that were never handed to it "
+                f"(page {int(foreign[0])} is {what})",
+                slot=first if first >= 0 else -1,
+                op="sweep",
+                pool="full",
+            )
+
+    def _sweep_unreleased(self) -> None:
+        """``check_consistency(idle=True)``: the requests still known that own pages were never released."""
+        st = self._w_st
+        led = st.ledger
+        for s in led.live_slots().tolist():
+            held = {n: int(a[s]) for n, a in led.owned.items() if a[s] > 0 and n in st.pools}
+            if not held or ("unreleased", s) in st.full.shadow.reported:
+                continue
+            st.full.shadow.reported.add(("unreleased", s))
+            detail = "; ".join(f"{n}: {pages_list(np.flatnonzero(st.pools[n].shadow.owner == s))}" for n in held)
+            self._violate(
+                "request_leak",
+                f"the engine is idle, yet request {led.rid_of(s)!r} still owns {sum(held.values())} pages "
+                f"({detail}): it was never released",
+                slot=s,
+                op="sweep",
+                pool=next(iter(held)),
+            )
 
     def _sweep_leaks(self) -> None:
         led = self._w_st.ledger
@@ -3297,10 +3561,11 @@ class InstrumentedAllocator:
                 if key in pool.shadow.reported or led.leaked[s]:
                     continue
                 pool.shadow.reported.add(key)
-                n = int(np.count_nonzero(owners == s))
+                pages = np.flatnonzero(owners == s)
                 self._violate(
                     "request_leak",
-                    f"{n} {pool.name} pages are owned by finished request slot {s}",
+                    f"{pool.name} pages {pages_list(pages)} are owned by request {led.rid_of(s)!r} (slot {s}), "
+                    f"released at step {led.released_step.item(s)} without freeing them",
                     slot=s,
                     op="sweep",
                     pool=pool.name,

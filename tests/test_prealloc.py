@@ -263,12 +263,19 @@ def test_prealloc_hisparse_with_swa_tail_on_swa():
     assert list(w.violations) == []
 
 
-def test_prealloc_hisparse_unaligned_tail_raise_mode():
-    w = InstrumentedAllocator(swa(), mode="raise", sliding_window=WINDOW)
+def test_prealloc_hisparse_unaligned_tail_raise_mode_refuses_the_allocation():
+    # The tail implies swa_evicted_seqlen 60 (page size 16: remainder 12), judged from host values before the call:
+    # raise mode refuses it there, so nothing is handed out and nothing is written.
+    inner = swa()
+    w = InstrumentedAllocator(inner, mode="raise", sliding_window=WINDOW)
+    before = (inner.full_available_size(), inner.swa_available_size())
     with pytest.raises(InvariantViolation) as info:
         alloc_for_decode_prealloc_hisparse(w, rid="s", fill_len=100, uses_swa_tail=True, swa_tail_len=40)
     assert info.value.invariant == "swa_evicted_seqlen_page_aligned"
-    assert record(w, "s") == (112, 100, 0)
+    assert info.value.violation.rid == "s" and info.value.violation.op == "alloc_extend_swa_tail"
+    assert "seq_len=100, swa_tail_len=40 implies swa_evicted_seqlen=60" in str(info.value)
+    assert (inner.full_available_size(), inner.swa_available_size()) == before
+    assert record(w, "s") == (0, 0, 0)
 
 
 def test_prealloc_hisparse_bare_with_ledger():

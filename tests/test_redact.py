@@ -176,7 +176,8 @@ def test_every_message_the_wrapper_writes_with_a_rid_is_redacted():
     red = [h.violation(v) for v in w.violations]
     assert [v.message for v in red] == [
         f"request {expected('drift')!r}: kv_allocated_len=8 means 2 full pages, it owns 1",
-        f"request {expected('leaky')!r} released while still owning 2 pages (full: 2)",
+        f"request {expected('leaky')!r} released while still owning 2 pages, neither freed nor handed to the prefix "
+        "cache (full: [1, 2] (2 pages))",
         f"release_request: rid: unknown request id {expected('404')!r}",
     ]
     for raw, r in zip(w.violations, red):

@@ -678,7 +678,8 @@ def test_a_free_that_raises_between_its_pools_is_mirrored_pool_by_pool(make, ver
     w.step()
     # Deferred verification reports the release at the boundary that checks it (the step after).
     assert [str(v) for v in list(w.violations)[before:]] == [
-        "[request_leak] request 'a' released while still owning 4 pages (full: 4) "
+        "[request_leak] request 'a' released while still owning 4 pages, neither freed nor handed to the prefix "
+        "cache (full: [1, 2, 3, 4] (4 pages)) "
         f"(op=release pool=full rid=a step={1 if verify == 'immediate' else 2})"
     ]
     assert w.check_consistency() == []  # the shadow agrees with the inner's free lists: nothing unexplained

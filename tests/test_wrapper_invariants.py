@@ -509,6 +509,13 @@ def test_request_leak_names_the_pool_still_holding_pages():
     d.fault_call("free_full", t(a.row))  # free_swa skipped: a's SWA pages stay a's
     d.w.release_request("a")
     assert _seen(d.w)[1:] == [
-        ("request_leak", "a", "swa", "release", "request 'a' released while still owning 2 pages (swa: 2)")
+        (
+            "request_leak",
+            "a",
+            "swa",
+            "release",
+            "request 'a' released while still owning 2 pages, neither freed nor handed to the prefix cache "
+            "(swa: [1, 2] (2 pages))",
+        )
     ]
     assert _seen(d.w)[0][:4] == ("swa_mapping_inconsistent", "a", "swa", "free_full")

@@ -1,0 +1,47 @@
+"""The SGLang plugin: switches the instrumented allocator on inside SGLang's own server, with one setting.
+
+Installing the distribution registers ``register`` in SGLang's ``sglang.srt.plugins`` entry-point group; SGLang
+calls it at start in every one of its processes. It is inert unless ``KVALLOC_MODE`` is ``record`` or ``raise``
+(see ``config.py`` for every setting). Then it hooks SGLang (``hooks.py``) and each scheduler process wraps its
+KV allocator, attributes allocations to requests, routes their KV length writes through the checked ledger,
+follows the prefix cache's ownership, steps once per scheduler iteration and sweeps when idle.
+
+A setting it cannot run with, an SGLang version other than the one supported, or a hook that did not apply stops
+the process at start with one message (``PluginError``, a ``SystemExit``: SGLang logs and swallows a plugin's
+ordinary exceptions, which would leave a silently uninstrumented engine).
+"""
+
+from __future__ import annotations
+
+import os
+
+from instrumented_alloc.sglang_plugin.config import SUPPORTED_SGLANG, ConfigError, from_env
+
+
+class PluginError(SystemExit):
+    """The plugin refuses to start SGLang: the message says why."""
+
+
+def register() -> None:
+    """SGLang's entry point (``sglang.srt.plugins``): inert unless ``KVALLOC_MODE`` switches the plugin on."""
+    try:
+        cfg = from_env(os.environ)
+    except ConfigError as exc:
+        raise PluginError(f"instrumented-alloc: {exc}") from None
+    if cfg is None:
+        return
+    from importlib.metadata import version
+
+    found = version("sglang")
+    if found != SUPPORTED_SGLANG:
+        raise PluginError(
+            f"instrumented-alloc: the SGLang plugin supports sglang {SUPPORTED_SGLANG}; this is sglang {found} "
+            "(unset KVALLOC_MODE to run SGLang without it)"
+        )
+    from instrumented_alloc.sglang_plugin import faults, hooks, session
+
+    session.start(cfg)
+    try:
+        hooks.install(extra=faults.hooks(cfg.inject))
+    except (hooks.HookError, faults.FaultError) as exc:
+        raise PluginError(str(exc)) from None

@@ -1,0 +1,74 @@
+"""The plugin's settings, read from the environment of each SGLang process: one place that names every variable.
+
+- ``KVALLOC_MODE``: ``record`` or ``raise`` switches the plugin on; unset, empty or ``off`` leaves it inert;
+  anything else is an error at start.
+- ``KVALLOC_RECORD_DIR``: one recording per rank in this directory (``kvalloc-<engine>-tp<N>....sqlite``).
+- ``KVALLOC_METRICS_PORT``: serve the ``kvalloc_`` metrics on this port (plus the rank: rank r serves on port + r)
+  when SGLang's own ``/metrics`` is off (``--enable-metrics`` unset); ``KVALLOC_METRICS_ADDR`` (127.0.0.1).
+- ``KVALLOC_SWEEP_INTERVAL``: the least number of seconds between two consistency sweeps, which run when the
+  scheduler is idle after some activity (default 1).
+- ``KVALLOC_INJECT``: faults to inject through test-only hooks (``faults.py``), comma-separated.
+
+Pure: reads only the mapping it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MODES = ("record", "raise")
+INERT = ("", "off")
+SUPPORTED_SGLANG = "0.5.23"
+
+
+class ConfigError(ValueError):
+    """A setting the plugin cannot run with: the message names the variable and the value."""
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    record_dir: str | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    sweep_interval: float = 1.0
+    inject: tuple[str, ...] = ()
+
+
+def from_env(env: Mapping[str, str]) -> Config | None:
+    """The settings in ``env``, or None when the plugin is to stay inert. Raises ``ConfigError``."""
+    mode = env.get("KVALLOC_MODE", "").strip().lower()
+    if mode in INERT:
+        return None
+    if mode not in MODES:
+        raise ConfigError(
+            f"KVALLOC_MODE={env.get('KVALLOC_MODE')!r}: expected one of {', '.join(MODES)} (or off / unset to "
+            "leave SGLang uninstrumented)"
+        )
+    port = env.get("KVALLOC_METRICS_PORT", "").strip()
+    metrics_port = None
+    if port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"KVALLOC_METRICS_PORT={port!r}: expected a TCP port, 1..65535")
+        metrics_port = int(port)
+    interval = env.get("KVALLOC_SWEEP_INTERVAL", "").strip()
+    sweep = 1.0
+    if interval:
+        try:
+            sweep = float(interval)
+        except ValueError:
+            sweep = math.nan
+        if not (math.isfinite(sweep) and sweep >= 0):
+            raise ConfigError(f"KVALLOC_SWEEP_INTERVAL={interval!r}: expected a number of seconds >= 0")
+    record_dir = env.get("KVALLOC_RECORD_DIR", "").strip() or None
+    inject = tuple(x.strip() for x in env.get("KVALLOC_INJECT", "").split(",") if x.strip())
+    return Config(
+        mode=mode,
+        record_dir=record_dir,
+        metrics_port=metrics_port,
+        metrics_addr=env.get("KVALLOC_METRICS_ADDR", "").strip() or "127.0.0.1",
+        sweep_interval=sweep,
+        inject=inject,
+    )
