@@ -8,15 +8,20 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup demo dashboard test lint bench soak grafana clean
+.PHONY: setup demo demo-sglang dashboard test lint bench soak grafana clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
+# SGLang 0.5.23 and xgrammar with --no-deps (their declared dependencies pin a CUDA torch); the CPU stubs module
+# (requirements/sglang-cpu) into the environment, with the .pth file that loads it in every process SGLang spawns.
+CPU_STUBS := requirements/sglang-cpu/kvalloc_sglang_cpu.py
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS) $(CPU_STUBS)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test,sglang-compat]'
-	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) sglang==0.5.23
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test,sglang-cpu]'
+	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) sglang==0.5.23 xgrammar==0.2.7
+	site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	cp $(CPU_STUBS) "$$site/" && echo "import kvalloc_sglang_cpu" > "$$site/kvalloc_sglang_cpu.pth"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,6 +32,13 @@ DEMO_RECORDING ?= recordings/demo.sqlite
 demo: $(STAMP)
 	@mkdir -p $(dir $(DEMO_RECORDING))
 	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite --dashboard
+
+# The main job on SGLang's real server: a tiny model on the CPU, the plugin on, seeded traffic, metrics, a
+# recording per rank and the dashboard (see `instrumented-alloc demo --engine sglang --help`).
+SGLANG_DEMO_ARGS ?= --inject leak --inject swa-misaligned
+SGLANG_DEMO_DIR ?= recordings/sglang
+demo-sglang: $(STAMP)
+	$(BIN)/instrumented-alloc demo --engine sglang $(SGLANG_DEMO_ARGS) --metrics-port 9464 --record-dir $(SGLANG_DEMO_DIR) --dashboard
 
 # The Streamlit app alone on 127.0.0.1:8501, on the demo's recording (RECORDING=path for another; its directory
 # is the one served).

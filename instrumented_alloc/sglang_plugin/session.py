@@ -52,9 +52,12 @@ class Session:
         self.dirty_since_sweep = False  # ... since the last consistency sweep
         self.last_sweep = -float("inf")
         self.closers: list = []
-        self.labels: dict = {}
+        self.labels: dict = {}  # SGLang's labels of this scheduler (sinks.rank_labels)
         self.recording: str | None = None
-        self.record_error: str | None = None
+        self.metrics_url: str | None = None
+        self.prometheus = None
+        self.otel = None
+        self.errors: dict[str, str] = {}  # exporter name -> why it could not start
 
     # -- the allocator ----------------------------------------------------------------------------------------
     def wrap(self, inner, *, sliding_window: int | None) -> InstrumentedAllocator:
@@ -76,13 +79,27 @@ class Session:
 
     # -- requests -----------------------------------------------------------------------------------------------
     def bind_records(self, reqs) -> list:
-        """Name the requests' KV records (see ``kv_rid``); returns their ids, in batch order."""
+        """Name the requests' KV records (see ``kv_rid``); returns their ids, in batch order. A request new to the
+        wrapper gets SGLang's span of it as the parent of its ``kv.request`` span (when tracing)."""
         rids = []
         kv_rid = self.kv_rid
+        ledger = self.alloc.ledger
         for r in reqs:
-            kv_rid[id(r.kv)] = r.rid
-            rids.append(r.rid)
+            rid = r.rid
+            if self.otel is not None and rid not in ledger:
+                self.parent(r)
+            kv_rid[id(r.kv)] = rid
+            rids.append(rid)
         return rids
+
+    def parent(self, req) -> None:
+        """SGLang's root span of ``req`` (``req.time_stats.trace_ctx``) as its ``kv.request`` span's parent."""
+        ctx = getattr(getattr(getattr(req, "time_stats", None), "trace_ctx", None), "root_span_context", None)
+        if ctx is not None:
+            try:
+                self.otel.set_parent(req.rid, ctx)
+            except (TypeError, ValueError) as exc:
+                log.warning("instrumented-alloc: request %r: no parent span: %s", req.rid, exc)
 
     def protect(self, reqs) -> None:
         """Give the wrapper each request's ``cache_protected_len`` (the prefix the cache lends it), as SGLang has

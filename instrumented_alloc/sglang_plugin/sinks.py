@@ -1,15 +1,21 @@
 """The exporters inside SGLang: which ones a scheduler process gets, with SGLang's labels and switches.
 
-The composition root of the plugin: the only plugin module that imports ``exporters``, and only inside functions
-(the core stays importable without them).
+The plugin's composition root: the only plugin module that imports ``exporters``, and only inside functions (the
+core stays importable without them).
 
-- Recordings: ``KVALLOC_RECORD_DIR`` gives one per rank, named ``kvalloc-<run>-tp<N>-pp<N>[-dp<N>].sqlite``
-  (``<run>``: the pid of the process that launched the schedulers, shared by the ranks of one server), with the
-  run metadata: engine ``sglang``, SGLang's version, the model, the ranks.
-- Prometheus and OpenTelemetry: ``metrics.py`` and ``tracing.py``.
+- Prometheus: with SGLang's ``--enable-metrics`` (SGLang then sets ``PROMETHEUS_MULTIPROC_DIR`` for its processes
+  and its HTTP server's ``/metrics`` serves every file there), the ``kvalloc_`` metrics are multiprocess files in
+  that directory, labelled as SGLang labels its scheduler's metrics (``rank_labels``): they appear on SGLang's own
+  ``/metrics``. Without it, ``KVALLOC_METRICS_PORT`` serves them per rank on that port plus the rank's index.
+- OpenTelemetry: with SGLang's ``--enable-trace``, on the tracer provider SGLang set up in the scheduler process;
+  each ``kv.request`` span is a child of SGLang's root span of the request (``Session.parent``).
+- Recordings: ``KVALLOC_RECORD_DIR`` gives one per rank, ``kvalloc-<run>-tp<N>-pp<N>[-dp<N>].sqlite`` (``<run>``:
+  the pid of the process that launched the schedulers, shared by the ranks of one server), with the run metadata
+  (engine ``sglang``, SGLang's version, the model, the ranks).
 
-An exporter that cannot start (an unwritable directory, a taken port) never stops SGLang: the failure is logged
-once, with what was wrong, and counted where a counter exists (``kvalloc_events_dropped_total{sink}``).
+An exporter that cannot start (an unwritable directory, a taken port, a missing package) never stops SGLang: one
+log line names the problem, and a stand-in sink under the exporter's name refuses every batch, so the events it
+would have taken are counted in ``kvalloc_events_dropped_total{sink}`` (and ``alloc.bus.dropped``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import logging
 import os
 
 log = logging.getLogger("instrumented_alloc.sglang")
+
+_RANK_KEYS = ("engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank")
 
 
 def rank_labels() -> dict:
@@ -47,13 +55,23 @@ def rank_labels() -> dict:
     return labels
 
 
-def run_meta(labels: dict, model_path: str | None) -> dict:
+def rank_index(labels: dict) -> int:
+    """This scheduler's index among the server's ranks (tp fastest, then pp, then dp): a port offset."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    tp_size, pp_size = int(parallel.tp_size), int(parallel.pp_size)
+    dp = int(labels.get("dp_rank", 0))
+    return int(labels["tp_rank"]) + tp_size * (int(labels["pp_rank"]) + pp_size * dp)
+
+
+def run_meta(labels: dict, model_path) -> dict:
     from importlib.metadata import version
 
     meta = {"engine": "sglang", "sglang_version": version("sglang"), "model": labels.get("model_name")}
     if model_path:
         meta["model_path"] = str(model_path)
-    for key in ("engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"):
+    for key in _RANK_KEYS:
         if key in labels:
             meta[key] = int(labels[key]) if labels[key].isdigit() else labels[key]
     return meta
@@ -66,13 +84,88 @@ def recording_path(directory: str, labels: dict) -> str:
     return os.path.join(directory, name + ".sqlite")
 
 
+class _Lost:
+    """Stands in for an exporter that could not start: refuses every batch, so the bus counts the loss under the
+    exporter's name. Reads only the kinds that exporter reads (no cost beyond building what it would have got)."""
+
+    def __init__(self, name: str, event_types):
+        self.name = name
+        if event_types is not None:
+            self.event_types = event_types
+
+    def __call__(self, batch) -> bool:
+        return False
+
+
+def _lost(sess, name: str, what: str, exc: BaseException, event_types=None) -> None:
+    log.error("instrumented-alloc: %s: %s; SGLang goes on without it (its events are counted as dropped)", what, exc)
+    sess.errors[name] = f"{what}: {exc}"
+    sess.alloc.subscribe(_Lost(name, event_types))
+
+
 def attach(sess, server_args, model_config) -> None:
     """Attach the exporters the settings and SGLang's own switches ask for."""
+    from sglang.srt.runtime_context import get_observability
+
     labels = rank_labels()
     sess.labels = labels
-    model_path = getattr(server_args, "model_path", None)
+    obs = get_observability()
+    mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if obs.enable_metrics and mp_dir:
+        _attach_prometheus(sess, labels, multiprocess=True)
+    elif sess.cfg.metrics_port is not None:
+        _attach_prometheus(sess, labels, multiprocess=False)
+    if obs.enable_trace:
+        _attach_otel(sess)
     if sess.cfg.record_dir:
-        _attach_recorder(sess, labels, model_path)
+        _attach_recorder(sess, labels, getattr(server_args, "model_path", None))
+
+
+def _attach_prometheus(sess, labels: dict, *, multiprocess: bool) -> None:
+    try:
+        from exporters.prometheus import PrometheusExporter
+    except ImportError as exc:
+        _lost(sess, "prometheus", "Prometheus metrics (pip install 'instrumented-alloc[prometheus]')", exc)
+        return
+    what = "Prometheus metrics"
+    try:
+        prom = PrometheusExporter(sess.alloc, const_labels=labels, multiprocess=multiprocess)
+    except (OSError, ValueError, RuntimeError) as exc:
+        _lost(sess, "prometheus", what, exc)
+        return
+    sess.closers.append(prom.close)
+    sess.prometheus = prom
+    if multiprocess:
+        log.info("instrumented-alloc: kvalloc_ metrics join SGLang's /metrics (%s)", labels)
+        return
+    port = sess.cfg.metrics_port + rank_index(labels)
+    try:
+        bound = prom.serve(port, addr=sess.cfg.metrics_addr)
+    except (OSError, ValueError) as exc:
+        prom.close()
+        sess.closers.remove(prom.close)
+        sess.prometheus = None
+        _lost(sess, "prometheus", f"KVALLOC_METRICS_PORT: serving on {sess.cfg.metrics_addr}:{port}", exc)
+        return
+    sess.metrics_url = f"http://{sess.cfg.metrics_addr}:{bound}/metrics"
+    log.info("instrumented-alloc: metrics on %s", sess.metrics_url)
+
+
+def _attach_otel(sess) -> None:
+    try:
+        from opentelemetry import trace
+
+        from exporters.otel import OtelExporter
+    except ImportError as exc:
+        _lost(sess, "otel", "OpenTelemetry spans (pip install 'instrumented-alloc[otel]')", exc)
+        return
+    try:
+        otel = OtelExporter(sess.alloc, tracer_provider=trace.get_tracer_provider())
+    except (ValueError, TypeError, RuntimeError) as exc:
+        _lost(sess, "otel", "OpenTelemetry spans", exc)
+        return
+    sess.otel = otel
+    sess.closers.append(otel.shutdown)
 
 
 def _attach_recorder(sess, labels: dict, model_path) -> None:
@@ -84,8 +177,8 @@ def _attach_recorder(sess, labels: dict, model_path) -> None:
         os.makedirs(directory, exist_ok=True)
         rec = FlightRecorder(sess.alloc, path, meta=run_meta(labels, model_path), overwrite=True)
     except (RecorderError, OSError, ValueError) as exc:
-        log.error("instrumented-alloc: KVALLOC_RECORD_DIR=%s: no recording for this rank: %s", directory, exc)
-        sess.record_error = str(exc)
+        _lost(sess, "recorder", f"KVALLOC_RECORD_DIR={directory}: no recording for this rank", exc,
+              FlightRecorder.event_types)  # fmt: skip
         return
     sess.recording = path
     sess.closers.append(rec.close)
