@@ -177,8 +177,8 @@ def _attach_recorder(sess, labels: dict, model_path) -> None:
         os.makedirs(directory, exist_ok=True)
         rec = FlightRecorder(sess.alloc, path, meta=run_meta(labels, model_path), overwrite=True)
     except (RecorderError, OSError, ValueError) as exc:
-        _lost(sess, "recorder", f"KVALLOC_RECORD_DIR={directory}: no recording for this rank", exc,
-              FlightRecorder.event_types)  # fmt: skip
+        what = f"KVALLOC_RECORD_DIR={directory}: no recording for this rank"
+        _lost(sess, "recorder", what, exc, FlightRecorder.event_types)
         return
     sess.recording = path
     sess.closers.append(rec.close)

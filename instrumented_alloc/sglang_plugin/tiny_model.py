@@ -57,10 +57,17 @@ def _tokenizer() -> dict:
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": True}
+            {
+                "id": i,
+                "content": c,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
             for c, i in specials
-        ],  # fmt: skip
+        ],
         "normalizer": None,
         "pre_tokenizer": {"type": "Whitespace"},
         "post_processor": None,

@@ -60,11 +60,9 @@ def _abort(eng, w: dict) -> dict:
     for _ in range(w.get("n", 3)):
         rid = traffic.rid(rng, "abort")
         ids = [rng.randrange(3, 32000) for _ in range(40)]
-        chunks = 0
         last = None
-        for chunk in eng.generate(input_ids=ids, rid=rid, stream=True,
-                                  sampling_params={"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}):
-            chunks += 1
+        params = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+        for chunks, chunk in enumerate(eng.generate(input_ids=ids, rid=rid, stream=True, sampling_params=params), 1):
             last = chunk
             if chunks == 3:
                 eng.tokenizer_manager.abort_request(rid)
@@ -78,10 +76,14 @@ def _decode(eng, w: dict) -> dict:
     pressure (the tiny model's random weights practically never sample EOS)."""
     from instrumented_alloc.sglang_plugin import traffic
 
-    wave = traffic.decode_batch(w.get("seed", 0), n=w.get("n", 24), prompt_len=w.get("prompt_len", 20),
-                                new_tokens=w.get("new_tokens", 200))
-    res = eng.generate(input_ids=wave.input_ids, rid=wave.rids,
-                       sampling_params=wave.sampling_params(ignore_eos=w.get("ignore_eos", True)))
+    wave = traffic.decode_batch(
+        w.get("seed", 0), n=w.get("n", 24), prompt_len=w.get("prompt_len", 20), new_tokens=w.get("new_tokens", 200)
+    )
+    res = eng.generate(
+        input_ids=wave.input_ids,
+        rid=wave.rids,
+        sampling_params=wave.sampling_params(ignore_eos=w.get("ignore_eos", True)),
+    )
     return {"rids": wave.rids, "completion": [r["meta_info"]["completion_tokens"] for r in res]}
 
 
@@ -96,8 +98,11 @@ def _fault(eng, w: dict) -> dict:
     n = w.get("n", 3)
     ids = [prefix + [rng.randrange(3, 32000) for _ in range(w.get("suffix", 12))] for _ in range(n)]
     rids = [traffic.rid(rng, faults.tag(w["fault"]))] + [traffic.rid(rng) for _ in range(n - 1)]
-    eng.generate(input_ids=ids, rid=rids, sampling_params={"max_new_tokens": w.get("new_tokens", 50),
-                                                           "ignore_eos": True, "temperature": 0.0})
+    eng.generate(
+        input_ids=ids,
+        rid=rids,
+        sampling_params={"max_new_tokens": w.get("new_tokens", 50), "ignore_eos": True, "temperature": 0.0},
+    )
     return {"rids": rids, "target": rids[0]}
 
 
@@ -113,12 +118,19 @@ def _pd(eng, w: dict) -> dict:
     rids = [traffic.rid(rng) for _ in range(n)]
     if w.get("fault"):
         rids[-1] = traffic.rid(rng, faults.tag(w["fault"]))
-    res = eng.generate(input_ids=ids, rid=rids, bootstrap_host=["2.2.2.2"] * n, bootstrap_port=[8998] * n,
-                       bootstrap_room=[rng.getrandbits(32) for _ in range(n)],
-                       sampling_params={"max_new_tokens": w.get("new_tokens", 16), "ignore_eos": True,
-                                        "temperature": 0.0})
-    return {"rids": rids, "prompt_lens": [len(x) for x in ids],
-            "completion": [r["meta_info"]["completion_tokens"] for r in res]}
+    res = eng.generate(
+        input_ids=ids,
+        rid=rids,
+        bootstrap_host=["2.2.2.2"] * n,
+        bootstrap_port=[8998] * n,
+        bootstrap_room=[rng.getrandbits(32) for _ in range(n)],
+        sampling_params={"max_new_tokens": w.get("new_tokens", 16), "ignore_eos": True, "temperature": 0.0},
+    )
+    return {
+        "rids": rids,
+        "prompt_lens": [len(x) for x in ids],
+        "completion": [r["meta_info"]["completion_tokens"] for r in res],
+    }
 
 
 def _idle(eng, w: dict) -> dict:

@@ -54,8 +54,12 @@ def page_size_16(tmp_path_factory):
             "max_running_requests": 24,
             "schedule_conservativeness": 0.3,
         },
-        workloads=[WAVES, {"kind": "abort", "n": 2}, {"kind": "decode", "n": 24, "new_tokens": 300,
-                                                       "ignore_eos": False}, IDLE],  # fmt: skip
+        workloads=[
+            WAVES,
+            {"kind": "abort", "n": 2},
+            {"kind": "decode", "n": 24, "new_tokens": 300, "ignore_eos": False},
+            IDLE,
+        ],
     )
 
 
