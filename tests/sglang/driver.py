@@ -36,7 +36,7 @@ def _watchdog(seconds: float) -> None:
     threading.Thread(target=fire, daemon=True).start()
 
 
-def _waves(eng, w: dict) -> dict:
+def _waves(eng, w: dict, note) -> dict:
     from instrumented_alloc.sglang_plugin import traffic
 
     out = {"cached": [], "rids": [], "completion": []}
@@ -48,7 +48,7 @@ def _waves(eng, w: dict) -> dict:
     return out
 
 
-def _abort(eng, w: dict) -> dict:
+def _abort(eng, w: dict, note) -> dict:
     """Requests aborted in the middle of their decode: streamed, aborted after a few chunks."""
     import random
 
@@ -71,7 +71,7 @@ def _abort(eng, w: dict) -> dict:
     return {"rids": rids, "finish_reasons": reasons}
 
 
-def _decode(eng, w: dict) -> dict:
+def _decode(eng, w: dict, note) -> dict:
     """One decode-heavy batch; with ``ignore_eos`` False SGLang reserves by its token ratio and retracts under
     pressure (the tiny model's random weights practically never sample EOS)."""
     from instrumented_alloc.sglang_plugin import traffic
@@ -87,7 +87,7 @@ def _decode(eng, w: dict) -> dict:
     return {"rids": wave.rids, "completion": [r["meta_info"]["completion_tokens"] for r in res]}
 
 
-def _fault(eng, w: dict) -> dict:
+def _fault(eng, w: dict, note) -> dict:
     """A few requests sharing a prefix, the first of them tagged for an injected fault (``faults.tag``)."""
     import random
 
@@ -98,6 +98,7 @@ def _fault(eng, w: dict) -> dict:
     n = w.get("n", 3)
     ids = [prefix + [rng.randrange(3, 32000) for _ in range(w.get("suffix", 12))] for _ in range(n)]
     rids = [traffic.rid(rng, faults.tag(w["fault"]))] + [traffic.rid(rng) for _ in range(n - 1)]
+    note({"rids": rids, "target": rids[0]})  # before the call: an injected fault may end the engine in it
     eng.generate(
         input_ids=ids,
         rid=rids,
@@ -106,7 +107,7 @@ def _fault(eng, w: dict) -> dict:
     return {"rids": rids, "target": rids[0]}
 
 
-def _pd(eng, w: dict) -> dict:
+def _pd(eng, w: dict, note) -> dict:
     """PD decode side with the fake transfer backend: every request preallocated through alloc_for_decode_prealloc."""
     import random
 
@@ -118,6 +119,7 @@ def _pd(eng, w: dict) -> dict:
     rids = [traffic.rid(rng) for _ in range(n)]
     if w.get("fault"):
         rids[-1] = traffic.rid(rng, faults.tag(w["fault"]))
+    note({"rids": rids, "prompt_lens": [len(x) for x in ids]})
     res = eng.generate(
         input_ids=ids,
         rid=rids,
@@ -133,7 +135,7 @@ def _pd(eng, w: dict) -> dict:
     }
 
 
-def _idle(eng, w: dict) -> dict:
+def _idle(eng, w: dict, note) -> dict:
     time.sleep(w.get("seconds", 1.5))
     return {}
 
@@ -166,9 +168,15 @@ def main(path: str) -> int:
     save()
     for w in spec.get("workloads", []):
         t = time.monotonic()
-        r = WORKLOADS[w["kind"]](eng, w)
-        r.update(kind=w["kind"], seconds=round(time.monotonic() - t, 2))
-        results["workloads"].append(r)
+        current = {"kind": w["kind"], "done": False}
+        results["workloads"].append(current)
+
+        def note(partial: dict, current=current) -> None:
+            current.update(partial)
+            save()
+
+        current.update(WORKLOADS[w["kind"]](eng, w, note))
+        current.update(done=True, seconds=round(time.monotonic() - t, 2))
         save()
     results["phase"] = "shutdown"
     save()
