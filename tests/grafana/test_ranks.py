@@ -15,7 +15,7 @@ average), series without rank labels match All, and each series' legend names it
 own queries (``label_values``, chained on the variables before them) return the rank values.
 
 The helpers (ranks run in processes of their own with any const labels, one multiprocess endpoint over them, a
-single-process exporter, the per-rank panel check) serve other label sets as well.
+single-process exporter, the per-rank panel check) serve ``test_sglang_labels`` as well.
 """
 
 from __future__ import annotations
