@@ -6,14 +6,25 @@ Contract
 - ``build()`` returns the SDK's ``Dashboard`` model; ``render()`` its JSON text, byte for byte what is committed
   (deterministic: no timestamps, explicit panel ids).
 - Targets Grafana 11.6 (the SDK is pinned to its 11.6 epoch in pyproject.toml). Every query reads only metrics of
-  DESIGN.md's catalog and filters on the template variables ``engine``, ``instance``, ``tp_rank`` and ``dp_rank``;
-  ``datasource`` selects the Prometheus data source. Every panel has a description that says what a bad value means.
-- Ranks: the rank variables are the exporter's documented rank const labels (``RANK_LABELS``), which tell apart the
-  scheduler processes (ranks) behind one /metrics endpoint in multiprocess mode. Panels whose meaning is one
-  allocator's state (occupancy, used share, live requests, fragmentation, free runs, SWA window, anything with a
-  threshold or an alert behind it) have one series per rank (grouped by ``RANK``, legend ``RANK_LEGEND``), never a
-  sum over ranks: a full rank next to an empty one must not read as half full. Rates of events, histograms, the
-  violation count and the page size stay aggregates over the selected ranks.
+  DESIGN.md's catalog and filters on every template variable (``VARIABLES``: ``engine``, ``model_name``,
+  ``engine_type``, ``instance``, ``tp_rank``, ``pp_rank``, ``dp_rank``; each variable's own query is filtered by
+  the ones before it); ``datasource`` selects the Prometheus data source. Every variable defaults to All, the
+  regex ``.*``, which also matches series without that label. Every panel has a description that says what a bad
+  value means.
+- Labels: the demo labels its series ``engine="demo"`` (a single-process user passes any const labels, e.g.
+  ``engine`` and rank labels); inside SGLang (the plugin, ``instrumented_alloc.sglang_plugin.sinks.rank_labels``)
+  the const labels are SGLang's scheduler labels, as its ``SchedulerMetricsCollector`` sets them: ``model_name``,
+  ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, ``dp_rank`` only when set, plus
+  ``--extra-metric-labels``, and no ``engine``. The dashboard serves both. ``moe_ep_rank`` has no variable and is
+  not grouped by: SGLang derives it from ``tp_rank`` (see ``RANK_LABELS``).
+- Ranks: the rank variables are the rank const labels (``RANK_LABELS``), which tell apart the scheduler processes
+  (ranks) behind one /metrics endpoint in multiprocess mode (all ranks of one SGLang server share one
+  ``instance``). Panels whose meaning is one allocator's state (occupancy, used share, live requests,
+  fragmentation, free runs, SWA window, anything with a threshold or an alert behind it) have one series per rank
+  (grouped by ``RANK``, every label that identifies a process: the variables' labels; legend ``RANK_LEGEND``,
+  which names the deployment, ``tp=``, ``pp=``, ``dp=`` and the instance), never a sum over ranks: a full rank
+  next to an empty one must not read as half full. Rates of events, histograms, the violation count and the page
+  size stay aggregates over the selected ranks.
 """
 
 from __future__ import annotations
@@ -38,17 +49,34 @@ UID = "kvalloc-allocator"
 GRAFANA_VERSION = "11.6"
 
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
-# The rank const labels the exporter documents (exporters/prometheus.py, DESIGN.md "At scale"): in multiprocess
-# mode every rank of an engine sits behind one instance and only these labels tell the ranks apart.
-RANK_LABELS = ("tp_rank", "dp_rank")
-# Every query's label filter: the engine, instance and rank template variables. All default to All (regex .*),
-# which also matches series that carry no such label (one engine or one rank without const labels).
-SEL = 'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank", dp_rank=~"$dp_rank"'
+# The labels that name a deployment (the endpoint, ``instance``, comes next): the exporter's ``engine`` const label
+# (the demo's ``engine="demo"``, a single-process user's own), and SGLang's scheduler labels ``model_name`` and
+# ``engine_type`` (unified, prefill, decode, dynamic), which its plugin exports instead of an ``engine`` label.
+DEPLOYMENT_LABELS = ("engine", "model_name", "engine_type")
+# The rank const labels, as SGLang's SchedulerMetricsCollector sets them (``dp_rank`` only when DP is on) and as
+# the exporter documents them for other engines: in multiprocess mode every rank of a server sits behind one
+# instance and only these labels tell the ranks apart.
+# Not ``moe_ep_rank``: SGLang sets it on every scheduler but derives it from ``tp_rank`` (``tp_rank % (tp_size /
+# moe_dp_size) // (tp_size / moe_dp_size / moe_ep_size)``), so each tp_rank of a server has one moe_ep_rank. It
+# never tells apart two processes that tp_rank, pp_rank and dp_rank do not: grouping by it would split no series,
+# and a variable for it would select a set of tp_ranks, which the tp_rank variable selects as well. Queries leave
+# it unfiltered (any value, or none) and per-rank panels aggregate it away; the alerts keep it on their labels.
+# The same holds for SGLang's ``--extra-metric-labels`` (one server's flag: the same on all its ranks).
+RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
+# The template variables after the data source, in the dashboard's order; each is filtered by the ones before it.
+VARIABLES = (*DEPLOYMENT_LABELS, "instance", *RANK_LABELS)
+# Every query's label filter: all of them. All default to All (regex .*), which also matches series that carry no
+# such label (the demo has no SGLang label; SGLang has no engine label; a process without rank labels).
+SEL = ", ".join(f'{v}=~"${v}"' for v in VARIABLES)
 # One rank is one scheduler process, i.e. one allocator: the labels that identify it. Per-rank panels group by all
-# of them (summing two engines' or two instances' tp_rank 0 would be the same mistake as summing two ranks).
-RANK = "engine, instance, tp_rank, dp_rank"
-# The legend of a per-rank series (a label the series lacks renders empty: "tp= dp=" for a process without ranks).
-RANK_LEGEND = "{{engine}} tp={{tp_rank}} dp={{dp_rank}} ({{instance}})"
+# of them (summing two engines', two models' or two instances' tp_rank 0 would be the same mistake as summing two
+# ranks; two pipeline stages of one server differ only by pp_rank).
+RANK = ", ".join(VARIABLES)
+# The legend of a per-rank series: the deployment (the engine for the demo, model and engine type for SGLang), the
+# ranks in SGLang's terms, the endpoint. A label the series lacks renders empty: "demo   tp= pp= dp= (host:port)"
+# for the demo, " Qwen/Qwen3-8B unified tp=1 pp=0 dp= (host:port)" for SGLang without DP. The deployment labels
+# are separate words, not run together, so that a series carrying both engine and model_name stays readable.
+RANK_LEGEND = "{{engine}} {{model_name}} {{engine_type}} tp={{tp_rank}} pp={{pp_rank}} dp={{dp_rank}} ({{instance}})"
 
 
 def sel(extra: str = "") -> str:
@@ -129,23 +157,38 @@ def rate(metric: str, extra: str = "", by: str = "") -> str:
     return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
 
 
-def rank_variable(name: str, label: str, chain: str, what: str):
-    """A rank template variable: the values of the const label ``name`` among the series the variables before it
-    select; All (regex .*) also matches series without the label (a process exported without rank labels)."""
+def chain(name: str) -> str:
+    """The label filter of a variable's own query: the variables before it (empty for the first)."""
+    return ", ".join(f'{v}=~"${v}"' for v in VARIABLES[: VARIABLES.index(name)])
+
+
+def label_variable(name: str, label: str, description: str, *, numeric: bool = False):
+    """A template variable: the values of the label ``name`` among the series the variables before it select; All
+    (regex .*) also matches series without the label."""
+    c = chain(name)
+    metric = f"kvalloc_page_size_tokens{{{c}}}" if c else "kvalloc_page_size_tokens"
     return (
         dash.QueryVariable(name)
         .label(label)
-        .description(
-            f"The {name} const label of the exporter ({what}; all by default). Ranks that share one /metrics "
-            "endpoint (multiprocess mode) differ only by their rank labels."
-        )
+        .description(description)
         .datasource(DS)
-        .query(f"label_values(kvalloc_page_size_tokens{{{chain}}}, {name})")
+        .query(f"label_values({metric}, {name})")
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dm.VariableSort.NUMERICAL_ASC)
+        .sort(dm.VariableSort.NUMERICAL_ASC if numeric else dm.VariableSort.ALPHABETICAL_ASC)
         .multi(True)
         .include_all(True)
         .all_value(".*")
+    )
+
+
+def rank_variable(name: str, label: str, what: str):
+    """A rank template variable: the const label ``name``, ranks sorted as numbers (2 before 10)."""
+    return label_variable(
+        name,
+        label,
+        f"The {name} const label of the exporter ({what}; all by default). Ranks that share one /metrics "
+        "endpoint (multiprocess mode) differ only by their rank labels.",
+        numeric=True,
     )
 
 
@@ -165,40 +208,34 @@ def build() -> dm.Dashboard:
         .timezone("browser")
         .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(
-            dash.QueryVariable("engine")
-            .label("Engine")
-            .description("The engine const label of the exporter (all engines by default)")
-            .datasource(DS)
-            .query("label_values(kvalloc_page_size_tokens, engine)")
-            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(dm.VariableSort.ALPHABETICAL_ASC)
-            .multi(True)
-            .include_all(True)
-            .all_value(".*")
+            label_variable("engine", "Engine", "The engine const label of the exporter (all engines by default)")
         )
         .with_variable(
-            dash.QueryVariable("instance")
-            .label("Instance")
-            .description("The scraped /metrics endpoint (one per process or per multiprocess directory)")
-            .datasource(DS)
-            .query('label_values(kvalloc_page_size_tokens{engine=~"$engine"}, instance)')
-            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(dm.VariableSort.ALPHABETICAL_ASC)
-            .multi(True)
-            .include_all(True)
-            .all_value(".*")
-        )
-        .with_variable(
-            rank_variable("tp_rank", "TP rank", 'engine=~"$engine", instance=~"$instance"', "tensor-parallel rank")
-        )
-        .with_variable(
-            rank_variable(
-                "dp_rank",
-                "DP rank",
-                'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank"',
-                "data-parallel rank",
+            label_variable(
+                "model_name",
+                "Model",
+                "SGLang's model_name label: the served model name (all models by default). Series without it "
+                "(the demo, other engines) match All only.",
             )
         )
+        .with_variable(
+            label_variable(
+                "engine_type",
+                "Engine type",
+                "SGLang's engine_type label: unified, prefill or decode (PD disaggregation), dynamic (PD role "
+                "switch); all by default. Series without it (the demo, other engines) match All only.",
+            )
+        )
+        .with_variable(
+            label_variable(
+                "instance",
+                "Instance",
+                "The scraped /metrics endpoint (one per process or per multiprocess directory)",
+            )
+        )
+        .with_variable(rank_variable("tp_rank", "TP rank", "tensor-parallel rank"))
+        .with_variable(rank_variable("pp_rank", "PP rank", "pipeline-parallel rank"))
+        .with_variable(rank_variable("dp_rank", "DP rank", "data-parallel rank"))
     )
 
     # -- occupancy ------------------------------------------------------------------------------------------

@@ -16,7 +16,13 @@ from grafana import generate
 from tests.grafana.dashboard_model import DASHBOARD, PER_RANK, load_dashboard, panels, targets
 
 ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Request footprint"]
-FILTER = 'engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank", dp_rank=~"$dp_rank"'
+FILTER = (
+    'engine=~"$engine", model_name=~"$model_name", engine_type=~"$engine_type", instance=~"$instance", '
+    'tp_rank=~"$tp_rank", pp_rank=~"$pp_rank", dp_rank=~"$dp_rank"'
+)
+# The labels that identify one scheduler process: the demo's engine, SGLang's model_name and engine_type, the
+# endpoint, the ranks (not moe_ep_rank: SGLang derives it from tp_rank).
+PROCESS = ["engine", "model_name", "engine_type", "instance", "tp_rank", "pp_rank", "dp_rank"]
 
 
 def test_committed_json_is_what_the_generator_writes(tmp_path, capsys):
@@ -58,24 +64,49 @@ def test_variables_rows_and_panels():
     d = load_dashboard()
     assert d["uid"] == generate.UID
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert list(variables) == ["datasource", "engine", "instance", "tp_rank", "dp_rank"]
-    assert generate.RANK_LABELS == ("tp_rank", "dp_rank")  # the const labels exporters/prometheus.py documents
+    assert list(variables) == ["datasource", *PROCESS]
+    assert tuple(PROCESS) == generate.VARIABLES
+    assert generate.RANK_LABELS == ("tp_rank", "pp_rank", "dp_rank")  # SGLang's scheduler rank labels
+    # moe_ep_rank (derived from tp_rank in SGLang) is neither a variable, nor filtered on, nor grouped by.
+    assert "moe_ep_rank" not in json.dumps(d)
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("engine", "instance", "tp_rank", "dp_rank"):
+    for name in PROCESS:
         v = variables[name]
         # All is the regex .*, which also matches series without the label (a process without rank labels).
         assert v["type"] == "query" and v["includeAll"] and v["multi"] and v["allValue"] == ".*"
         assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
     assert variables["engine"]["query"] == "label_values(kvalloc_page_size_tokens, engine)"
-    assert variables["instance"]["query"] == 'label_values(kvalloc_page_size_tokens{engine=~"$engine"}, instance)'
-    # The rank variables are chained on the ones before them, and sort ranks as numbers (2 before 10).
+    # Every variable is chained on the ones before it; the ranks sort as numbers (2 before 10), the names
+    # alphabetically.
+    assert variables["model_name"]["query"] == 'label_values(kvalloc_page_size_tokens{engine=~"$engine"}, model_name)'
+    assert variables["engine_type"]["query"] == (
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", model_name=~"$model_name"}, engine_type)'
+    )
+    assert variables["instance"]["query"] == (
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", model_name=~"$model_name", '
+        'engine_type=~"$engine_type"}, instance)'
+    )
     assert variables["tp_rank"]["query"] == (
-        'label_values(kvalloc_page_size_tokens{engine=~"$engine", instance=~"$instance"}, tp_rank)'
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", model_name=~"$model_name", '
+        'engine_type=~"$engine_type", instance=~"$instance"}, tp_rank)'
+    )
+    assert variables["pp_rank"]["query"] == (
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", model_name=~"$model_name", '
+        'engine_type=~"$engine_type", instance=~"$instance", tp_rank=~"$tp_rank"}, pp_rank)'
     )
     assert variables["dp_rank"]["query"] == (
-        'label_values(kvalloc_page_size_tokens{engine=~"$engine", instance=~"$instance", tp_rank=~"$tp_rank"}, dp_rank)'
+        'label_values(kvalloc_page_size_tokens{engine=~"$engine", model_name=~"$model_name", '
+        'engine_type=~"$engine_type", instance=~"$instance", tp_rank=~"$tp_rank", pp_rank=~"$pp_rank"}, dp_rank)'
     )
-    assert variables["tp_rank"]["sort"] == variables["dp_rank"]["sort"] == 3  # numerical, ascending
+    assert {name: variables[name]["sort"] for name in PROCESS} == {
+        "engine": 1,  # alphabetical, ascending
+        "model_name": 1,
+        "engine_type": 1,
+        "instance": 1,
+        "tp_rank": 3,  # numerical, ascending
+        "pp_rank": 3,
+        "dp_rank": 3,
+    }
 
     assert [p["title"] for p in d["panels"] if p["type"] == "row"] == ROWS
     ids = [p["id"] for p in d["panels"]]
@@ -112,10 +143,15 @@ def test_health_row_has_exemplars_and_the_latency_heatmap_reads_buckets():
 def test_per_rank_panels_split_by_rank_and_name_it():
     """In multiprocess mode every rank sits behind one instance: a panel that summed over ranks would show a full
     rank next to an empty one as half full. The per-rank panels group every aggregation by the process's labels
-    (engine, instance, tp_rank, dp_rank) and their legends name the rank; the others do not split by rank."""
+    (engine, model_name, engine_type, instance, tp_rank, pp_rank, dp_rank) and their legends name the rank in
+    SGLang's terms; the others do not split by rank."""
     d = load_dashboard()
     by_title = {p["title"]: p for p in panels(d)}
     assert set(PER_RANK) <= set(by_title)
+    # The deployment (the demo's engine; SGLang's model and engine type), the ranks in SGLang's terms, the endpoint.
+    assert generate.RANK_LEGEND == (
+        "{{engine}} {{model_name}} {{engine_type}} tp={{tp_rank}} pp={{pp_rank}} dp={{dp_rank}} ({{instance}})"
+    )
     for title, p in by_title.items():
         for t in p["targets"]:
             aggregations = re.findall(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(", t["expr"])
@@ -123,12 +159,13 @@ def test_per_rank_panels_split_by_rank_and_name_it():
             if title in PER_RANK:
                 for op, by in aggregations:
                     labels = {x.strip() for x in by.split(",")}
-                    assert {"engine", "instance", "tp_rank", "dp_rank"} <= labels, (title, op, t["expr"])
-                assert "tp={{tp_rank}} dp={{dp_rank}}" in t["legendFormat"], (title, t["legendFormat"])
-                assert "{{engine}}" in t["legendFormat"] and "{{instance}}" in t["legendFormat"], title
+                    assert set(PROCESS) <= labels, (title, op, t["expr"])
+                    assert "moe_ep_rank" not in labels, (title, op, t["expr"])
+                # The legend ends with the process: its deployment, ranks and endpoint.
+                assert t["legendFormat"].endswith(generate.RANK_LEGEND), (title, t["legendFormat"])
                 assert "rank" in p["description"], title
             else:
-                assert all("tp_rank" not in by and "dp_rank" not in by for _, by in aggregations), title
+                assert all(r not in by for _, by in aggregations for r in generate.RANK_LABELS), title
     # The used share keeps its thresholds, now judged per rank.
     used = by_title["Used pages, per pool"]
     assert [s["value"] for s in used["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 0.85, 0.95]

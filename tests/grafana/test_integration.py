@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grafana import generate
 from tests.grafana.dashboard_model import (
     GRAFANA,
     REPO,
@@ -217,17 +218,23 @@ def test_demo_with_faults_dashboard_queries_and_violation_alert(demo, prometheus
         **{"match[]": f'kvalloc_page_size_tokens{{engine=~"{grafana_regex_escape(engines[0])}"}}'},
     )
     assert instances == [instance]
-    # The demo is one process without rank labels: the rank variables list nothing, so Grafana leaves them at All
-    # (allValue .*, which matches series without the label).
-    for rank in ("tp_rank", "dp_rank"):
-        assert api(base, f"/api/v1/label/{rank}/values", **{"match[]": "kvalloc_page_size_tokens"}) == []
+    # The demo is one process without rank labels and without SGLang's labels: those variables list nothing, so
+    # Grafana leaves them at All (allValue .*, which matches series without the label).
+    unset = ("model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+    assert set(unset) == set(generate.VARIABLES) - {"engine", "instance"}
+    for name in unset:
+        assert api(base, f"/api/v1/label/{name}/values", **{"match[]": "kvalloc_page_size_tokens"}) == []
 
     # 4. Every query of every panel, with the variables at All (allValue .*) and at the values listed above.
     end = time.time()
-    ranks = {"tp_rank": ".*", "dp_rank": ".*"}
+    unset_all = dict.fromkeys(unset, ".*")
     selections = {
-        "All": {"engine": ".*", "instance": ".*", **ranks},
-        "selected": {"engine": grafana_regex_escape(engines[0]), "instance": grafana_regex_escape(instance), **ranks},
+        "All": {"engine": ".*", "instance": ".*", **unset_all},
+        "selected": {
+            "engine": grafana_regex_escape(engines[0]),
+            "instance": grafana_regex_escape(instance),
+            **unset_all,
+        },
     }
     dashboard = load_dashboard()
     problems, sent = [], 0

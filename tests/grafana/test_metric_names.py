@@ -68,22 +68,28 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 # Labels Prometheus adds to every scraped series (job, instance) and the engine const label the dashboard filters
 # on (from the exporter's const_labels, or from grafana/prometheus.yml's target label).
 _TARGET_LABELS = {"job", "instance", "engine"}
-# The rank const labels the exporter documents (the dashboard's rank variables); scraped_labels() serves them, as
-# a rank of a multiprocess deployment does.
-_RANKS = dict.fromkeys(generate.RANK_LABELS, "0")
+# The const label sets scraped_labels() serves: the demo's engine with the rank const labels (the dashboard's rank
+# variables), as a rank of a multiprocess deployment carries them; and SGLang's scheduler labels, as the plugin sets
+# them inside SGLang (no engine label).
+_CONST_LABEL_SETS = [
+    {"engine": "e0", **dict.fromkeys(generate.RANK_LABELS, "0")},
+    {"model_name": "m", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0", "dp_rank": "0"},
+]
 
 
 def scraped_labels() -> dict[str, set[str]]:
-    w = make_alloc()
-    with PrometheusExporter(w, const_labels={"engine": "e0", **_RANKS}, multiprocess=False) as exp:
-        scenario(w)
-        port = exp.serve()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+    """Sample name -> every label some exporter's sample of that name carries, over the const label sets."""
     out: dict[str, set[str]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, set()).update(s.labels)
+    for const_labels in _CONST_LABEL_SETS:
+        w = make_alloc()
+        with PrometheusExporter(w, const_labels=const_labels, multiprocess=False) as exp:
+            scenario(w)
+            port = exp.serve()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out.setdefault(s.name, set()).update(s.labels)
     return out
 
 

@@ -9,11 +9,15 @@ import subprocess
 
 import yaml
 
+from grafana import generate
 from tests.grafana.dashboard_model import GRAFANA, RULE_TESTS, RULES, load_rules
 from tests.prometheus_server import need_binary
 
-# The labels that tell one process (one rank's allocator) from another.
-PROCESS_LABELS = {"job", "instance", "engine", "tp_rank", "dp_rank"}
+# The labels that tell one process (one rank's allocator) from another, and SGLang's moe_ep_rank (derived from
+# tp_rank: it tells no process apart, but an alert keeps it like every label of its series).
+PROCESS_LABELS = {"job", "instance", *generate.VARIABLES, "moe_ep_rank"}
+# SGLang's scheduler labels (the const labels inside SGLang; dp_rank only when DP is on).
+SGLANG_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
 ALERTS = [
     "KvallocInvariantViolation",
     "KvallocPageLeak",
@@ -56,11 +60,13 @@ def test_every_alert_has_severity_summary_description():
     for r in rules:
         assert r["labels"]["severity"] in ("critical", "warning"), r["alert"]
         assert set(r["annotations"]) == {"summary", "description"}, r["alert"]
-        # One process: the instance and, when the series carry them, the engine and rank const labels (in
-        # multiprocess mode every rank sits behind one instance; two ranks' alerts must read differently).
+        # One process: the instance and, when the series carry them, the labels the dashboard's per-rank legends
+        # name: the demo's engine, SGLang's model_name and engine_type, the ranks (in multiprocess mode every rank
+        # sits behind one instance; two ranks' alerts must read differently).
+        named = ("engine", "model_name", "engine_type", "tp_rank", "pp_rank", "dp_rank")
+        assert named == (*generate.DEPLOYMENT_LABELS, *generate.RANK_LABELS)
         process = "{{ $labels.instance }}" + "".join(
-            f"{{{{ with $labels.{label} }}}} {label} {{{{ . }}}}{{{{ end }}}}"
-            for label in ("engine", "tp_rank", "dp_rank")
+            f"{{{{ with $labels.{label} }}}} {label} {{{{ . }}}}{{{{ end }}}}" for label in named
         )
         assert process in r["annotations"]["summary"], r["alert"]
         assert process in r["annotations"]["description"], r["alert"]
@@ -98,3 +104,35 @@ def test_grafana_provisioning():
     dash = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "kvalloc.yml").read_text())
     [prov] = dash["providers"]
     assert prov["type"] == "file" and prov["options"]["path"] == "/var/lib/grafana/dashboards/kvalloc"
+
+
+def test_every_alert_is_unit_tested_on_sglang_labels():
+    """Inside SGLang the series carry SGLang's scheduler labels and no engine label: every alert has a unit test
+    where it fires on such a series, next to a healthy rank of the same model behind the same instance, keeps all
+    its labels (moe_ep_rank included) and names the model, the engine type and the ranks."""
+    fired = set()
+    for path in RULE_TESTS:
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            series = [s["series"] for s in test["input_series"]]
+            for case in test["alert_rule_test"]:
+                for a in case["exp_alerts"]:
+                    labels = a["exp_labels"]
+                    if not set(SGLANG_LABELS) <= set(labels):
+                        continue
+                    assert "engine" not in labels, labels
+                    process = (
+                        f"{labels['instance']} model_name {labels['model_name']} engine_type {labels['engine_type']} "
+                        f"tp_rank {labels['tp_rank']} pp_rank {labels['pp_rank']}"
+                        + (f" dp_rank {labels['dp_rank']}" if "dp_rank" in labels else "")
+                    )
+                    assert process in a["exp_annotations"]["summary"], a
+                    assert process in a["exp_annotations"]["description"], a
+                    # Another rank of the same model behind the same instance, which does not fire.
+                    same_server = [
+                        s for s in series
+                        if f'instance="{labels["instance"]}"' in s and f'model_name="{labels["model_name"]}"' in s
+                    ]  # fmt: skip
+                    ranks = {re.search(r'tp_rank="(\d+)",pp_rank="(\d+)"', s).groups() for s in same_server}
+                    assert len(ranks) == 2 and (labels["tp_rank"], labels["pp_rank"]) in ranks, (case, ranks)
+                    fired.add(case["alertname"])
+    assert fired == set(ALERTS)
