@@ -175,7 +175,10 @@ def _attach_recorder(sess, labels: dict, model_path) -> None:
     path = recording_path(directory, labels)
     try:
         os.makedirs(directory, exist_ok=True)
-        rec = FlightRecorder(sess.alloc, path, meta=run_meta(labels, model_path), overwrite=True)
+        meta = run_meta(labels, model_path)
+        if sess.errors:
+            meta["exporters_failed"] = dict(sess.errors)  # what this rank runs without, for whoever reads it
+        rec = FlightRecorder(sess.alloc, path, meta=meta, overwrite=True)
     except (RecorderError, OSError, ValueError) as exc:
         what = f"KVALLOC_RECORD_DIR={directory}: no recording for this rank"
         _lost(sess, "recorder", what, exc, FlightRecorder.event_types)

@@ -135,12 +135,29 @@ def _pd(eng, w: dict, note) -> dict:
     }
 
 
+def _scrape(eng, w: dict, note) -> dict:
+    """GET ``url`` (a metrics endpoint the plugin serves): its text."""
+    import urllib.request
+
+    time.sleep(w.get("after", 0))
+    with urllib.request.urlopen(w["url"], timeout=30) as r:
+        return {"text": r.read().decode()}
+
+
 def _idle(eng, w: dict, note) -> dict:
     time.sleep(w.get("seconds", 1.5))
     return {}
 
 
-WORKLOADS = {"waves": _waves, "abort": _abort, "decode": _decode, "fault": _fault, "pd": _pd, "idle": _idle}
+WORKLOADS = {
+    "waves": _waves,
+    "abort": _abort,
+    "decode": _decode,
+    "fault": _fault,
+    "pd": _pd,
+    "scrape": _scrape,
+    "idle": _idle,
+}
 
 
 def main(path: str) -> int:
