@@ -5,8 +5,9 @@ Sections (see each module's docstring for what exactly is timed): wrapped / bare
 (``bench_ops``), the exporters on vs off (``bench_exporters``), statistics and a scrape vs a sort of the free list,
 recording seek, and the wrapper's memory (``bench_scale``), the demo engine's step loop with everything on vs the
 bare allocator and its resident memory over a 200k-step run (``bench_engine``; the 1M-step run with every exporter
-on is ``make soak``). ``--quick`` (about a third of the time): fewer calls per sample, no 4M-page pool, a 1M-event
-recording instead of 10M, a 50k-step RSS run.
+on is ``make soak``), and SGLang's real Engine on the CPU with the plugin vs bare (``bench_sglang``: its
+per-iteration row is microseconds, not a ratio). ``--quick`` (about a third of the time): fewer calls per sample,
+no 4M-page pool, a 1M-event recording instead of 10M, a 50k-step RSS run, SGLang's record configuration only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks import bench_engine, bench_exporters, bench_ops, bench_scale
+from benchmarks import bench_engine, bench_exporters, bench_ops, bench_scale, bench_sglang
 from benchmarks.common import CLOCKS, table
 
 
@@ -27,7 +28,9 @@ def main(argv=None) -> str:
     p.add_argument("--repeats", type=int, default=5, help="runs per case (the median of them is reported)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="cpu (default) or wall time")
     p.add_argument(
-        "--only", choices=("ops", "exporters", "engine", "stats", "seek", "memory", "rss"), action="append",
+        "--only",
+        choices=("ops", "exporters", "engine", "stats", "seek", "memory", "rss", "sglang"),
+        action="append",
         help="run only these",
     )
     args = p.parse_args(argv)
@@ -35,7 +38,7 @@ def main(argv=None) -> str:
         p.error("--repeats: at least 5 runs per case")
     torch.set_num_threads(1)
     thread_clock, process_clock = CLOCKS[args.clock]
-    only = set(args.only or ("ops", "exporters", "engine", "stats", "seek", "memory", "rss"))
+    only = set(args.only or ("ops", "exporters", "engine", "stats", "seek", "memory", "rss", "sglang"))
     started = time.perf_counter()
     rows: list = []
 
@@ -60,6 +63,9 @@ def main(argv=None) -> str:
     section("engine", lambda: bench_engine.loop_rows(repeats=args.repeats, quick=args.quick, clock=process_clock))
     section("memory", bench_scale.memory_rows)
     section("rss", lambda: bench_engine.rss_rows(quick=args.quick))
+    # SGLang's real Engine, bare vs the plugin on (benchmarks/bench_sglang.py; 3 pairs of Engine starts per
+    # configuration; --quick: the record configuration only).
+    section("sglang", lambda: bench_sglang.rows(configs=("record",) if args.quick else bench_sglang.CONFIGS))
     title = (
         f"python -m benchmarks{' --quick' if args.quick else ''} --repeats {args.repeats} --clock {args.clock}: "
         f"ratios (memory rows: bytes), median of {args.repeats} runs; torch {torch.__version__}, 1 thread; "

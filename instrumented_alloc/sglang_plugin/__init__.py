@@ -28,7 +28,12 @@ def register() -> None:
         cfg = from_env(os.environ)
     except ConfigError as exc:
         raise PluginError(f"instrumented-alloc: {exc}") from None
+    probe_path = os.environ.get("KVALLOC_PROBE_FILE")  # benchmarks only: see probe.py
     if cfg is None:
+        if probe_path:
+            from instrumented_alloc.sglang_plugin import hooks, probe
+
+            hooks.apply(probe.hooks(probe_path))  # a bare run, timed as a wrapped one is
         return
     from importlib.metadata import version
 
@@ -38,10 +43,11 @@ def register() -> None:
             f"instrumented-alloc: the SGLang plugin supports sglang {SUPPORTED_SGLANG}; this is sglang {found} "
             "(unset KVALLOC_MODE to run SGLang without it)"
         )
-    from instrumented_alloc.sglang_plugin import faults, hooks, session
+    from instrumented_alloc.sglang_plugin import faults, hooks, probe, session
 
     session.start(cfg)
     try:
-        hooks.install(extra=faults.hooks(cfg.inject))
+        extra = faults.hooks(cfg.inject) + (probe.hooks(probe_path) if probe_path else ())
+        hooks.install(extra=extra)
     except (hooks.HookError, faults.FaultError) as exc:
         raise PluginError(str(exc)) from None

@@ -197,10 +197,22 @@ def _wraps(fn, original) -> bool:
 
 
 def install(extra=()) -> None:
-    """Register every hook (and ``extra``: more (target, type, hook)), apply them, and verify that each took."""
+    """Register every hook (and ``extra``: more (target, type, hook)), apply them, and verify that each took; route
+    the request record's fields."""
+    apply((*hook_table(), *extra))
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+    kvrecord.route(ReqKvInfo)
+    if not kvrecord.routed(ReqKvInfo):
+        raise HookError("instrumented-alloc: ReqKvInfo's length fields could not be routed through the ledger")
+
+
+def apply(table) -> None:
+    """Register the hooks of ``table`` ((target, type name, hook) each) with SGLang's registry, apply them at once
+    (the registry applies a target once: every hook of a target must be registered before), and verify that each
+    target is now a wrapper chain reaching its original (``HookError`` naming those that are not)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    table = (*hook_table(), *extra)
     originals = {}
     for target, kind, hook in table:
         try:
@@ -219,10 +231,5 @@ def install(extra=()) -> None:
     if missing:
         raise HookError(
             "instrumented-alloc: these SGLang hooks did not apply (see SGLang's 'Failed to apply hooks' log "
-            f"above): {', '.join(missing)}"
+            f"above): {', '.join(dict.fromkeys(missing))}"
         )
-    from sglang.srt.managers.schedule_batch import ReqKvInfo
-
-    kvrecord.route(ReqKvInfo)
-    if not kvrecord.routed(ReqKvInfo):
-        raise HookError("instrumented-alloc: ReqKvInfo's length fields could not be routed through the ledger")
