@@ -757,7 +757,8 @@ class PoolShadow:
                 bad.append(
                     (
                         "pool_conservation",
-                        f"sweep: pool {self.name}: {pages_list(lost)} are neither in the free list nor handed out",
+                        f"sweep: pool {self.name}: {pages_list(lost)} are neither in the free list nor handed out"
+                        + self._last_owner(int(lost[0])),
                         -1,
                     )
                 )
@@ -788,6 +789,17 @@ class PoolShadow:
         self.reported.update(("dup", p) for p in new_dups)
         self.expected_entries = int(census.size)
         return bad
+
+    def _last_owner(self, page: int) -> str:
+        """``; page P was last owned by request R`` (from ``last_freed``) when the wrapper saw it freed, and the
+        request's slot has not named another request since; else nothing."""
+        packed = self.last_freed.item(page)
+        if packed < 0:
+            return ""
+        slot = packed & _SLOT_MASK
+        if self._ledger.generation.item(slot) != packed >> 32:
+            return f"; page {page} was last freed by request slot {slot}, released since"
+        return f"; page {page} was last owned by request {self._ledger.rid_of(slot)!r}, which freed it"
 
     def counts(self) -> dict[str, int]:
         o = self.owner
