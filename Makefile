@@ -34,8 +34,10 @@ demo: $(STAMP)
 	$(BIN)/instrumented-alloc demo $(DEMO_ARGS) --metrics-port 9464 --record $(DEMO_RECORDING) --overwrite --dashboard
 
 # The main job on SGLang's real server: a tiny model on the CPU, the plugin on, seeded traffic, metrics, a
-# recording per rank and the dashboard (see `instrumented-alloc demo --engine sglang --help`).
-SGLANG_DEMO_ARGS ?= --inject leak --inject swa-misaligned
+# recording per rank and the dashboard (see `instrumented-alloc demo --help`), until Ctrl-C. A leak 10 s into the
+# traffic; at 60 s the seed's misaligned SWA evicted length, which SGLang's SWA tree then fails on: the server's
+# end ends the demo there (exit 1), with the summary and the recording kept.
+SGLANG_DEMO_ARGS ?= --inject leak --inject swa-misaligned@60
 SGLANG_DEMO_DIR ?= recordings/sglang
 demo-sglang: $(STAMP)
 	$(BIN)/instrumented-alloc demo --engine sglang $(SGLANG_DEMO_ARGS) --metrics-port 9464 --record-dir $(SGLANG_DEMO_DIR) --dashboard

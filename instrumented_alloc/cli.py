@@ -30,6 +30,67 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- demo ---------------------------------------------------------------------------------------------------------
+# Flags of one engine only: (dest, flag, its value when not given).
+_SIM_ONLY = (
+    ("preset", "--preset", None), ("steps", "--steps", None), ("pace", "--pace", None), ("rate", "--rate", None),
+    ("trace", "--trace", None), ("engine_label", "--engine-label", None), ("otlp_endpoint", "--otlp-endpoint", None),
+    ("record", "--record", None), ("hash_request_ids", "--hash-request-ids", False),
+    ("overwrite", "--overwrite", False), ("max_bytes", "--max-bytes", None),
+)  # fmt: skip
+_SGLANG_ONLY = (
+    ("model", "--model", None), ("max_total_tokens", "--max-total-tokens", None), ("tp_size", "--tp-size", None),
+    ("requests", "--requests", None), ("concurrency", "--concurrency", None), ("record_dir", "--record-dir", None),
+    ("workdir", "--workdir", None), ("sglang_port", "--sglang-port", None),
+)  # fmt: skip
+
+
+def _demo_dispatch(args: argparse.Namespace) -> int:
+    """``demo``: the simulated engine (``--engine sim``) or SGLang's real server (``--engine sglang``)."""
+    other, engine = (_SGLANG_ONLY, "sglang") if args.engine == "sim" else (_SIM_ONLY, "sim")
+    for dest, flag, unset in other:
+        if getattr(args, dest) != unset:
+            hint = " (the simulated engine records with --record PATH)" if dest == "record_dir" else ""
+            hint = " (SGLang's server records one file per rank: --record-dir DIR)" if dest == "record" else hint
+            raise UsageError(f"{flag} applies to --engine {engine} only{hint}")
+    if args.engine == "sglang":
+        return _demo_sglang(args)
+    if args.preset is None:
+        args.preset = "dense"
+    if args.engine_label is None:
+        args.engine_label = "demo"
+    return _demo(args)
+
+
+def _demo_sglang(args: argparse.Namespace) -> int:
+    from instrumented_alloc.sglang_plugin import demo
+
+    options = demo.Options(
+        model=args.model or "swa",
+        page_size=16 if args.page_size is None else args.page_size,
+        max_total_tokens=args.max_total_tokens or 4096,
+        tp_size=args.tp_size or 1,
+        seed=args.seed,
+        mode=args.mode,
+        inject=tuple(args.inject),
+        duration=args.duration,
+        requests=args.requests,
+        concurrency=8 if args.concurrency is None else args.concurrency,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        record_dir=args.record_dir,
+        workdir=args.workdir,
+        sglang_port=args.sglang_port,
+        dashboard_port=args.dashboard_port,
+    )
+    try:
+        launcher = _dashboard_launcher() if args.dashboard else None
+        from exporters.recorder import Recording
+
+        return demo.run(options, recording=Recording, dashboard=launcher)
+    except demo.BadInput as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from instrumented_alloc.invariants import InvariantViolation
     from instrumented_alloc.sim import FaultError, TraceError, build_engine, parse_trace, resolve_preset
@@ -496,6 +557,8 @@ def _finite(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from instrumented_alloc.sglang_plugin import demo as sglang_demo  # its faults and times, for the help
+
     p = _Parser(
         prog=PROG,
         description="An invariant-checking, observable wrapper for LLM-serving KV-cache page allocators.",
@@ -504,42 +567,74 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run the demo engine (continuous batching over an instrumented allocator), with optional faults",
-        description="Run the demo engine: a simulated serving engine driving an instrumented reference allocator, "
-        "optionally serving metrics, exporting traces and recording, with fault injection. Without --steps or "
-        "--duration it runs until Ctrl-C, paced for watching.",
+        help="run the demo: a simulated engine, or SGLang's real server with the plugin (--engine sglang), with "
+        "optional faults",
+        description="Run the demo. --engine sim (the default): a simulated serving engine driving an instrumented "
+        "reference allocator, optionally serving metrics, exporting traces and recording, with fault injection; "
+        "without --steps or --duration it runs until Ctrl-C, paced for watching. --engine sglang: SGLang's real "
+        "server on the CPU (a tiny model with dummy weights, python -m sglang.launch_server) with this plugin in "
+        "it, seeded traffic over its HTTP API, one recording per rank, metrics per rank, faults injected into "
+        "tagged requests; until Ctrl-C, --duration seconds of traffic or --requests requests.",
+        epilog="Exit status: 0 the run ended (by its bound or Ctrl-C; faults found in record mode included); 1 "
+        "stopped by a violation (--mode raise), or the engine failed (the simulated allocator's own assert; "
+        "SGLang's server ended on its own or never got ready; its recordings are kept); 2 bad input (nothing is "
+        "left running).",
     )
-    demo.add_argument("--preset", default="dense", help="model preset (see `presets`; default dense)")
+    demo.add_argument("--engine", choices=("sim", "sglang"), default="sim",
+                      help="sim: the simulated engine (default); sglang: SGLang's real server with the plugin")
     bound = demo.add_mutually_exclusive_group()
-    bound.add_argument("--steps", type=int, help="run this many engine steps")
-    bound.add_argument("--duration", type=_finite, help="run this many seconds")
-    demo.add_argument("--pace", type=_finite, help=f"at most this many steps per second (default: unpaced for "
-                      f"--steps/--duration runs, {DEFAULT_UNBOUNDED_PACE:g} otherwise)")
-    demo.add_argument("--rate", type=_finite, help="mean request arrivals per step (default: the preset's)")
+    bound.add_argument("--steps", type=int, help="run this many engine steps (sim)")
+    bound.add_argument("--duration", type=_finite,
+                       help="run this many seconds (sglang: of traffic, after the server's start)")
+    bound.add_argument("--requests", type=int, metavar="N", help="send this many requests (sglang)")
     demo.add_argument("--seed", type=int, default=0, help="workload and fault seed (default 0)")
     demo.add_argument("--mode", choices=("record", "raise", "off"), default="record",
-                      help="record: report violations and go on; raise: stop at the first; off: no checks")
-    demo.add_argument("--inject", action="append", default=[], metavar="FAULT[@STEP]",
-                      help="inject a fault (repeatable; see `presets` for the list); without @STEP the seed "
-                      "picks a step while the preset has traffic")
-    demo.add_argument("--page-size", type=int, help="tokens per page: 1, 16 or 64 (default: the preset's)")
-    demo.add_argument("--trace", metavar="PATH", help="JSONL trace of {arrival, prompt_len, output_len} "
-                      "(arrival in steps) instead of the synthetic workload")
+                      help="record: report violations and go on; raise: stop at the first; off: no checks (sim)")
+    demo.add_argument("--inject", action="append", default=[], metavar="FAULT[@WHEN]",
+                      help="inject a fault (repeatable). sim: FAULT[@STEP] (see `presets`; without @STEP the seed "
+                      "picks a step while the preset has traffic). sglang: FAULT[@SECONDS], one request tagged "
+                      "inject-FAULT-... sent that many seconds into the traffic (default "
+                      f"{sglang_demo.FIRST_INJECT_S:g}s, then every {sglang_demo.INJECT_GAP_S:g}s, a fault that ends "
+                      f"SGLang last); {', '.join(sglang_demo.FAULTS)}")
+    demo.add_argument("--page-size", type=int,
+                      help="tokens per page (sim: 1, 16 or 64, default the preset's; sglang: default 16)")
     demo.add_argument("--metrics-port", type=_port, metavar="PORT",
-                      help="serve Prometheus /metrics on this port (0: any free port)")
+                      help="serve Prometheus /metrics on this port (0: any free port); sglang: rank r on PORT + r")
     demo.add_argument("--metrics-addr", default="127.0.0.1", help="address to serve metrics on (default 127.0.0.1)")
-    demo.add_argument("--engine-label", default="demo", help="the `engine` const label on every metric")
-    demo.add_argument("--otlp-endpoint", metavar="URL", help="export kv.request spans over OTLP/HTTP to this URL "
-                      "(e.g. http://127.0.0.1:4318/v1/traces)")
-    demo.add_argument("--record", metavar="PATH", help="write a flight recording (SQLite) to PATH")
-    demo.add_argument("--hash-request-ids", action="store_true",
-                      help="store and export request ids as keyed pseudonyms (HMAC-SHA256 with a random key for "
-                           "this run, the same in the recording and the spans)")
-    demo.add_argument("--overwrite", action="store_true", help="replace an existing recording at PATH")
-    demo.add_argument("--max-bytes", type=int, help="retention: keep the recording under about this many bytes")
-    demo.add_argument("--dashboard", action="store_true", help="open the Streamlit dashboard on the live recording")
+    demo.add_argument("--dashboard", action="store_true",
+                      help="open the Streamlit dashboard on the live recording(s)")
     demo.add_argument("--dashboard-port", type=_port, default=8501, help="dashboard port (default 8501)")
-    demo.set_defaults(func=_demo)
+
+    sim = demo.add_argument_group("--engine sim (the simulated engine)")
+    sim.add_argument("--preset", help="model preset (see `presets`; default dense)")
+    sim.add_argument("--pace", type=_finite, help=f"at most this many steps per second (default: unpaced for "
+                     f"--steps/--duration runs, {DEFAULT_UNBOUNDED_PACE:g} otherwise)")
+    sim.add_argument("--rate", type=_finite, help="mean request arrivals per step (default: the preset's)")
+    sim.add_argument("--trace", metavar="PATH", help="JSONL trace of {arrival, prompt_len, output_len} "
+                     "(arrival in steps) instead of the synthetic workload")
+    sim.add_argument("--engine-label", help="the `engine` const label on every metric (default demo)")
+    sim.add_argument("--otlp-endpoint", metavar="URL", help="export kv.request spans over OTLP/HTTP to this URL "
+                     "(e.g. http://127.0.0.1:4318/v1/traces)")
+    sim.add_argument("--record", metavar="PATH", help="write a flight recording (SQLite) to PATH")
+    sim.add_argument("--hash-request-ids", action="store_true",
+                     help="store and export request ids as keyed pseudonyms (HMAC-SHA256 with a random key for "
+                          "this run, the same in the recording and the spans)")
+    sim.add_argument("--overwrite", action="store_true", help="replace an existing recording at PATH")
+    sim.add_argument("--max-bytes", type=int, help="retention: keep the recording under about this many bytes")
+
+    sgl = demo.add_argument_group("--engine sglang (SGLang's real server on the CPU, the plugin in it)")
+    sgl.add_argument("--model", choices=("swa", "dense"),
+                     help="the tiny model: swa, hybrid sliding window (default), or dense")
+    sgl.add_argument("--max-total-tokens", type=int, metavar="N", help="SGLang's KV pool size in tokens (default 4096)")
+    sgl.add_argument("--tp-size", type=int, metavar="N",
+                     help="tensor-parallel ranks (default 1; one CPU core each at least), one recording each")
+    sgl.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (default 8)")
+    sgl.add_argument("--record-dir", metavar="DIR",
+                     help="write one recording per rank into DIR (default: WORKDIR/recordings); always on")
+    sgl.add_argument("--workdir", metavar="DIR",
+                     help="the model's files and the server's log (default: a new temporary directory, kept)")
+    sgl.add_argument("--sglang-port", type=_port, metavar="PORT", help="SGLang's HTTP port (default: a free port)")
+    demo.set_defaults(func=_demo_dispatch)
 
     dash = sub.add_parser(
         "dashboard",

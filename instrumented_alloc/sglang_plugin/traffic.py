@@ -1,10 +1,11 @@
-"""Seeded traffic for SGLang's ``Engine``: what the demo on the real engine, the plugin's tests and its benchmark
-send. Pure: builds the requests, sends nothing.
+"""Seeded traffic for SGLang (its ``Engine`` or its HTTP server): what the demo on the real engine, the plugin's
+tests and its benchmark send. Pure: builds the requests, sends nothing.
 
 - ``prefix_waves``: waves of requests that share a few long prefixes (system prompts, few-shot examples), sent
   one wave after the other, so that every wave after the first hits the prefix cache that the ones before it
   filled; output lengths vary, so requests finish, release and hand their pages to the cache at different steps.
 - ``decode_batch``: one batch of requests with short prompts and long generations (decode-heavy).
+- ``Stream``: an endless stream of such requests, one at a time, and requests tagged for a fault (the demo).
 
 Token ids are drawn from ``3 .. vocab - 1`` (0-2 are the tiny model's special tokens).
 """
@@ -67,3 +68,54 @@ def decode_batch(seed: int, *, n: int, prompt_len: int = 32, new_tokens: int = 1
         w.max_new_tokens.append(new_tokens)
         w.rids.append(rid(rng))
     return w
+
+
+@dataclass(frozen=True)
+class Request:
+    input_ids: list
+    max_new_tokens: int
+    rid: str
+
+    def body(self, *, ignore_eos: bool = True) -> dict:
+        """The JSON body of SGLang's HTTP ``/generate`` for this request."""
+        return {
+            "input_ids": self.input_ids,
+            "rid": self.rid,
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "ignore_eos": ignore_eos, "temperature": 0.0},
+        }
+
+
+class Stream:
+    """An endless, seeded stream of requests sharing a few long prefixes, with long generations (``next_request``),
+    and requests tagged for a fault on the same prefixes (``tagged``): what ``demo --engine sglang`` sends.
+
+    The same seed gives the same requests in the same order (their scheduling on the server is the server's); the
+    tagged requests draw from a generator of their own, so asking for one leaves the stream unchanged."""
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        prefixes: int = 4,
+        prefix_lens=(24, 48, 80),
+        suffix=(1, 40),
+        new_tokens=(16, 128),
+        vocab: int = 32000,
+    ):
+        self.seed = seed
+        self.vocab = vocab
+        self.suffix, self.new_tokens = suffix, new_tokens
+        self._rng = random.Random(seed)
+        self.heads = [_tokens(self._rng, self._rng.choice(prefix_lens), vocab) for _ in range(prefixes)]
+
+    def next_request(self) -> Request:
+        rng = self._rng
+        ids = rng.choice(self.heads) + _tokens(rng, rng.randint(*self.suffix), self.vocab)
+        return Request(ids, rng.randint(*self.new_tokens), rid(rng))
+
+    def tagged(self, tag: str, *, suffix: int = 12, new_tokens: int = 64) -> Request:
+        """One request whose id starts with ``tag``, on the longest shared prefix: long enough (prompt and
+        generation) for the sliding window to evict part of it on the hybrid model."""
+        rng = random.Random(f"{self.seed}:{tag}")
+        head = max(self.heads, key=len)
+        return Request(head + _tokens(rng, suffix, self.vocab), new_tokens, rid(rng, tag))
