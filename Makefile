@@ -37,7 +37,9 @@ demo: $(STAMP)
 # recording per rank and the dashboard (see `instrumented-alloc demo --help`), until Ctrl-C. A leak 10 s into the
 # traffic; at 60 s the seed's misaligned SWA evicted length, which SGLang's SWA tree then fails on: the server's
 # end ends the demo there (exit 1), with the summary and the recording kept.
-SGLANG_DEMO_ARGS ?= --inject leak --inject swa-misaligned@60
+# Faults SGLang survives, so the demo runs until Ctrl-C; the seed's own (swa-misaligned) ends SGLang's scheduler
+# once it stored the misaligned value: make demo-sglang SGLANG_DEMO_ARGS="--inject swa-misaligned@60".
+SGLANG_DEMO_ARGS ?= --inject leak --inject no-release
 SGLANG_DEMO_DIR ?= recordings/sglang
 demo-sglang: $(STAMP)
 	$(BIN)/instrumented-alloc demo --engine sglang $(SGLANG_DEMO_ARGS) --metrics-port 9464 --record-dir $(SGLANG_DEMO_DIR) --dashboard

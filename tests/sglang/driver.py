@@ -179,7 +179,13 @@ def main(path: str) -> int:
 
     save()
     t0 = time.monotonic()
-    eng = sgl.Engine(model_path=model, **{**CPU_RECIPE, **spec.get("engine", {})})
+    recipe = dict(CPU_RECIPE)
+    if spec.get("model") == "swa":
+        # SGLang's torch_native attention reads an SWA layer's KV at the request's full-pool slots on the CPU: an
+        # SWA pool smaller than the full one (SGLang's default ratio, 0.8) ends the scheduler with an IndexError
+        # once a full slot passes its size, plugin on or off.
+        recipe["swa_full_tokens_ratio"] = 1.0
+    eng = sgl.Engine(model_path=model, **{**recipe, **spec.get("engine", {})})
     results["start_s"] = round(time.monotonic() - t0, 2)
     results["phase"] = "started"
     save()

@@ -96,6 +96,8 @@ class Server:
             "16",
             "--max-total-tokens",
             "4096",
+            "--swa-full-tokens-ratio",  # see tests/sglang/driver.py: the CPU's torch_native SWA reads
+            "1",
             "--tp-size",
             "2",
             "--enable-metrics",
