@@ -2547,8 +2547,8 @@ class InstrumentedAllocator:
         # _after_free_one, inlined.
         led = st.ledger
         if pool is full and st.track_lengths:
-            # The request's allocated length follows its full-pool pages when they shrink.
-            cap = led.owned["full"].item(s) * ps
+            # The request's allocated length follows its full-pool pages when they shrink (after its protected prefix).
+            cap = led.owned["full"].item(s) * ps + led.protected.item(s)
             allocated = led.allocated.item(s)
             if allocated > cap:
                 led.allocated[s] = allocated = cap
@@ -3033,8 +3033,9 @@ class InstrumentedAllocator:
                     if self._w_st.swa_frees == "pool":
                         self._one_pool_lengths(op, owners)
                     else:
-                        # The request's allocated length follows its full-pool pages when they shrink.
-                        cap = led.owned["full"][owners] * ps
+                        # The request's allocated length follows its full-pool pages when they shrink (after its
+                        # protected prefix, the cache's pages).
+                        cap = led.owned["full"][owners] * ps + led.protected[owners]
                         led.allocated[owners] = np.minimum(led.allocated[owners], cap)
                         led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
             if self._w_st.want_free:
@@ -3072,12 +3073,13 @@ class InstrumentedAllocator:
         a request's pages less those its window evicted. Its SWA frees (``free_swa``, ``free_swa_segment``) are
         that eviction, which the engine records next with its ``swa_evicted_seqlen`` write (SGLang's order, in
         mem_cache/common.py): the request's lengths stay, as on the two-pool allocator. Any other free shrinks
-        them to what its pages cover: the pages it still owns plus its evicted length. ``slots``: the distinct
+        them to what its pages cover: the pages it still owns after its evicted length or its protected prefix (the
+        cache's pages), whichever is longer, as the ledger check counts them. ``slots``: the distinct
         owner slots of the freed pages."""
         if op == "free_swa" or op == "free_swa_segment":
             return
         led = self._w_st.ledger
-        cap = led.owned["full"][slots] * self._w_ps + led.evicted[slots]
+        cap = led.owned["full"][slots] * self._w_ps + np.maximum(led.evicted[slots], led.protected[slots])
         led.allocated[slots] = np.minimum(led.allocated[slots], cap)
         led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
 
@@ -3091,8 +3093,9 @@ class InstrumentedAllocator:
             if st.swa_frees == "pool":
                 self._one_pool_lengths(op, owners)
             else:
-                # The request's allocated length follows its full-pool pages when they shrink.
-                cap = led.owned["full"].item(s) * st.ps
+                # The request's allocated length follows its full-pool pages when they shrink (after its protected
+                # prefix, the cache's pages).
+                cap = led.owned["full"].item(s) * st.ps + led.protected.item(s)
                 allocated = led.allocated.item(s)
                 if allocated > cap:
                     led.allocated[s] = allocated = cap

@@ -971,3 +971,46 @@ def test_a_misaligned_swa_tail_of_no_bound_request_names_none():
         )
     ]
     assert e.w.ledger.reported_evicted == {}
+
+
+# -- pages mode: the lengths a free leaves a request with a protected prefix -------------------------------------
+@pytest.mark.parametrize("verify", VERIFY)
+@pytest.mark.parametrize("kind", list(ONE_POOL))
+def test_pages_a_free_shrinks_the_lengths_to_the_protected_prefix_and_the_pages_left(kind, verify):
+    # allocated_len="pages": the wrapper follows a request's frees with its lengths. A request whose first 2 pages
+    # are the cache's (protected) and which owns 2 more gives its last page back (a retracted tail): it keeps its
+    # protected prefix and its one page left, 3 pages' worth, not 1.
+    e = Engine(ONE_POOL[kind], verify=verify)
+    ps = e.ps
+    a = Req("a")
+    e.grow(a, 2 * ps)
+    e.insert(a, 2 * ps)
+    e.grow(a, 2 * ps)
+    e.w.step()
+    assert e.lengths("a") == (4 * ps, 4 * ps, 2 * ps)
+    e.call("free", t(a.row[3 * ps :]))
+    e.w.step()
+    assert e.lengths("a") == (3 * ps, 3 * ps, 2 * ps)
+    assert e.owned("a", CACHE_RID) == [1, 2]
+    assert list(e.w.violations) == []
+    e.call("free", t(a.row[2 * ps : 3 * ps]))  # its own pages all gone: zeroed
+    e.w.step()
+    assert e.lengths("a") == (0, 0, 0)
+    e.w.release_request("a")
+    assert e.w.check_consistency(cached=t(a.row[: 2 * ps]), idle=True) == []
+    assert list(e.w.violations) == []
+
+
+def test_pages_a_free_on_the_all_swa_allocator_keeps_the_protected_prefix():
+    # SGLang's all-SWA allocator (one pool, page size 1): a free other than the window's shrinks the lengths to
+    # what the pages cover, the protected prefix included.
+    e = Engine(_sg(True, lambda: sglang_compat.make_sglang_pure_swa(PAGES)))
+    a = Req("a")
+    e.grow(a, 2)
+    e.insert(a, 2)
+    e.grow(a, 2)
+    e.w.step()
+    e.call("free", t(a.row[3:]))
+    e.w.step()
+    assert e.lengths("a") == (3, 3, 2)
+    assert list(e.w.violations) == []
