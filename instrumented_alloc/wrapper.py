@@ -1635,7 +1635,9 @@ class InstrumentedAllocator:
             if st.fold is not None:
                 self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
-            trusted = st.inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
+            # An SWA tail is judged before the call (_tail_evicted_check reads seq_lens_cpu and swa_tail_len): its
+            # arguments are validated here first, whoever the inner is.
+            trusted = st.inner_checks and tail is _ABSENT and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
             if trusted:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
