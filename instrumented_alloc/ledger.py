@@ -305,9 +305,13 @@ class KvLedger:
 
     def write_protected(self, slot: int, value) -> bool:
         """``protect`` at the checked write point: a rejected value is reported (as any rejected write) and not
-        stored. Returns True when stored."""
+        stored, and a value of the wrong type is ``invalid_argument`` (as at ``write``). Returns True when stored."""
         with self.lock:
-            bad = self.protect(slot, value)
+            try:
+                bad = self.protect(slot, value)
+            except ArgumentTypeError as exc:
+                self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
+                raise
             if bad:
                 self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
                 return False
