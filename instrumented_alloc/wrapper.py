@@ -1331,6 +1331,8 @@ class InstrumentedAllocator:
                         if mine.size:
                             shadow._set(mine, cache)
                             owned = led.owned[pool.name]
+                            if pool.name == "full":  # its peak before the pages leave it (as a free records it)
+                                led.peak_pages[slot] = max(led.peak_pages.item(slot), owned.item(slot))
                             owned[slot] -= mine.size
                             owned[cache] += mine.size
                             led.dirty.add(slot)
