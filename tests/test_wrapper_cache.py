@@ -503,7 +503,7 @@ def test_the_cache_evicts_its_pages(kind, verify):
     assert len(e.w.ledger) == 1
 
 
-@pytest.mark.parametrize("allocated_len", ["tokens"])
+@pytest.mark.parametrize("allocated_len", ["pages", "tokens"])
 @pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("kind", list(ONE_POOL))
 def test_duplicates_freed_inside_the_insert(kind, verify, allocated_len):
@@ -1019,3 +1019,72 @@ def test_pages_a_free_on_the_all_swa_allocator_keeps_the_protected_prefix():
     e.w.step()
     assert e.lengths("a") == (3, 3, 2)
     assert list(e.w.violations) == []
+
+
+@pytest.mark.parametrize("verify", VERIFY)
+@pytest.mark.parametrize("kind", [*ONE_POOL, "ours-swa-ps1", "ours-swa-ps16", "sglang-swa-ps16"])
+def test_pages_duplicates_freed_inside_the_insert_leave_the_lengths(kind, verify):
+    # allocated_len="pages": the pages a request frees inside its insert are copies the cache holds, positions that
+    # become protected: its lengths stay (they were cut to its pages left, or zeroed when none was left, and the
+    # protected length written after the insert then stood past them). b computed exactly the cached prefix, gives
+    # all of it back inside the insert (on the SWA allocator with free(), both pools), and goes on decoding.
+    e = Engine({**ONE_POOL, **SWA}[kind], verify=verify)
+    ps = e.ps
+    a = _cached_prefix(e)
+    b = Req("b")
+    e.grow(b, 2 * ps)
+    e.w.step()
+
+    def dedup():
+        e.call("free", t(b.row))
+        b.row[:] = a.row
+
+    e.insert(b, 2 * ps, inside=dedup)
+    e.w.step()
+    assert e.w.ledger.inserting == set()
+    assert e.lengths("b") == (2 * ps, 2 * ps, 2 * ps)
+    assert e.owned("b", CACHE_RID) == [0, 2]
+    e.decode(b)
+    e.w.step()
+    assert e.lengths("b") == (3 * ps, 2 * ps + 1, 2 * ps)
+    assert e.owned("b") == [1]
+    assert list(e.w.violations) == []
+    # Outside an insert, a free shrinks the lengths again: b's one page back, none left, its lengths zeroed.
+    e.call("free", t(b.row[2 * ps :]))
+    e.w.step()
+    assert e.lengths("b") == (0, 0, 0)
+    e.w.release_request("b")
+    assert e.w.check_consistency(cached=t(a.row), idle=True) == []
+    assert list(e.w.violations) == []
+
+
+@pytest.mark.parametrize("verify", VERIFY)
+def test_an_insert_ends_whatever_it_holds(verify):
+    # The insert ends at the take, in call order: with nothing held, an empty hold, a hold of the wrong type, or
+    # refused at the offer (raise mode).
+    e = Engine(ONE_POOL["ours-ps16"], verify=verify)
+    a = Req("a")
+    e.grow(a, 32)
+    for held in (None, t([])):
+        with e.w.cache_insert("a", t(a.row)) as ins:
+            ins.held = held
+        e.w.step()
+        assert e.w.ledger.inserting == set()
+    with pytest.raises(TypeError) as info, e.w.cache_insert("a", t(a.row)) as ins:
+        ins.held = a.row
+    assert str(info.value).startswith("held: ")
+    e.w.step()
+    assert e.w.ledger.inserting == set()
+    assert [v.invariant for v in e.w.violations] == ["invalid_argument"]
+    assert e.owned("a", CACHE_RID) == [2, 0]  # nothing passed
+
+
+def test_an_insert_refused_in_raise_mode_ends_there():
+    e = Engine(ONE_POOL["ours-ps16"], mode="raise")
+    a = Req("a")
+    e.grow(a, 32)
+    e.insert(a, 32)
+    e.w.ledger["a"].cache_protected_len = 0
+    with pytest.raises(InvariantViolation):
+        e.insert(a, 32)
+    assert e.w.ledger.inserting == set()
