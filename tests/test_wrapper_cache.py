@@ -503,6 +503,26 @@ def test_the_cache_evicts_its_pages(kind, verify):
     assert len(e.w.ledger) == 1
 
 
+@pytest.mark.parametrize("verify", VERIFY)
+def test_a_boundary_with_many_changed_requests_compares_no_row_of_the_cache(verify):
+    # More than a handful of changed requests are compared as arrays: the cache's slot, changed by its eviction,
+    # has no ledger row among them.
+    e = Engine(ONE_POOL["ours-ps16"], verify=verify)
+    a = _cached_prefix(e)
+    reqs = [Req(f"r{i}") for i in range(10)]
+    for r in reqs:
+        e.grow(r, 32)
+    e.w.step()
+    for r in reqs:
+        e.call("free", t(r.row[16:]))  # each gives its last page back: its lengths follow
+    e.call("free", t(a.row[16:]))  # the cache evicts a page
+    e.w.step()
+    assert list(e.w.violations) == []
+    assert [e.lengths(r.rid) for r in reqs] == [(16, 16, 0)] * 10
+    assert e.owned(CACHE_RID) == [1]
+    _no_ledger_row_for_the_cache(e)
+
+
 @pytest.mark.parametrize("allocated_len", ["pages", "tokens"])
 @pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("kind", list(ONE_POOL))
@@ -535,7 +555,7 @@ def test_duplicates_freed_inside_the_insert(kind, verify, allocated_len):
     _no_ledger_row_for_the_cache(e)
 
 
-# -- the SWA pool ------------------------------------------------------------------------------------------------
+# -- the SWA pool --------------------------------------------------------------------------------------------------
 def _swa_cached_prefix(e: Engine) -> Req:
     """Request 'a' computes 2 pages and hands them to the cache (full and SWA), then finishes."""
     a = Req("a")
@@ -625,6 +645,67 @@ def test_swa_the_cache_replaces_its_full_slots_with_the_requests(kind, verify):
     e.w.step()
     assert e.w.check_consistency(cached=t(b.row), idle=True) == []
     assert list(e.w.violations) == []
+
+
+@pytest.mark.parametrize("verify", VERIFY)
+@pytest.mark.parametrize("kind", ["ours-swa-ps16", "sglang-swa-ps16"])
+def test_swa_own_pages_start_after_the_protected_prefix_or_the_evicted_length(kind, verify):
+    # On the SWA pool a request's own pages are those of [max(cache_protected_len, swa_evicted_seqlen),
+    # kv_allocated_len). Window 32: a's first 2 pages are the cache's, then it grows to 6 pages.
+    e = Engine(SWA[kind], verify=verify, window=32)
+    a = Req("a")
+    e.grow(a, 32)
+    e.insert(a, 32)
+    e.grow(a, 64)
+    e.w.step()
+    assert e.owned("a") + e.owned("a", pool="swa") == [4, 4]
+    # The window evicts page 2 (positions 32..47); the engine has not written the evicted length yet.
+    e.call("free_swa_segment", t(a.row[32:48]), start_pos=32)
+    e.w.step()
+    assert seen(e.w) == [
+        (
+            "ledger_matches_pages",
+            "a",
+            "swa",
+            "step",
+            "request 'a': kv_allocated_len=96, cache_protected_len=32, swa_evicted_seqlen=0 means 4 swa pages, it "
+            "owns 3",
+        )
+    ]
+    kv = e.w.ledger["a"]
+    kv.swa_evicted_seqlen = 48  # past the protected prefix: the evicted length counts from here
+    e.w.step()
+    e.call("free_swa_segment", t(a.row[48:64]), start_pos=48)
+    kv.swa_evicted_seqlen = 64  # seq_len 96, window 32: at most 64
+    e.w.step()
+    assert e.owned("a") + e.owned("a", pool="swa") == [4, 2]
+    assert len(e.w.violations) == 1
+    kv.swa_evicted_seqlen = 80  # inside the window
+    assert seen(e.w)[1] == (
+        "swa_evicted_within_window",
+        "a",
+        None,
+        "ledger",
+        "swa_evicted_seqlen=80 reaches into the window: seq_len=96, window=32, at most 64 may be evicted",
+    )
+
+
+def test_swa_the_cached_prefix_may_count_as_evicted_inside_the_window():
+    # The prefix's SWA KV is the cache's: the request may count it as evicted before its own window moves (SGLang
+    # moves the evicted length past the prefix before its first eviction).
+    e = Engine(SWA["ours-swa-ps16"], window=32)
+    a = Req("a")
+    e.grow(a, 64)
+    e.insert(a, 64)
+    e.grow(a, 16)  # seq_len 80: the window alone allows 48
+    kv = e.w.ledger["a"]
+    kv.swa_evicted_seqlen = 64
+    e.w.step()
+    assert kv.swa_evicted_seqlen == 64 and list(e.w.violations) == []
+    kv.swa_evicted_seqlen = 80
+    assert [v.message for v in e.w.violations] == [
+        "swa_evicted_seqlen=80 reaches into the window: seq_len=80, window=32, at most 64 may be evicted"
+    ]
 
 
 # -- faults at the insert ------------------------------------------------------------------------------------------
@@ -978,7 +1059,7 @@ def test_a_misaligned_swa_tail_of_no_bound_request_names_none():
     assert e.w.ledger.reported_evicted == {}
 
 
-# -- pages mode: the lengths a free leaves a request with a protected prefix -------------------------------------
+# -- pages mode: the lengths a free leaves a request with a protected prefix ---------------------------------------
 @pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("kind", list(ONE_POOL))
 def test_pages_a_free_shrinks_the_lengths_to_the_protected_prefix_and_the_pages_left(kind, verify):
