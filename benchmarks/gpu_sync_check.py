@@ -5,10 +5,13 @@
 
 The loop is an engine's: one extend of ``batch`` requests (prompts of 3 pages + 5 tokens), then ``steps`` decode
 steps; every ``evict_every`` steps each request's SWA KV that left the window is freed by segment and its evicted
-length written through the ledger; at the end every request is freed (SWA segment, then the full row) and released.
-Everything the allocator reads on the device stays there: ``seq_lens`` and ``last_loc`` are device tensors updated
-on the device, ``*_cpu`` twins are host tensors, the request rows live in a device ``req_to_token`` table, and the
-frees take slices of it. Allocators: paged (page size 16) and SWA (page size 16), each bare, then wrapped with
+length written through the ledger; at the end (wrapped, mode record or raise) every other request hands its whole
+pages to a prefix cache (``cache_insert``, offered and held a slice of its row, then its ``cache_protected_len``
+written through the ledger) and a ``step()`` follows; then every request frees its own pages (SWA segment, then
+the full row) and is released, and the cache evicts what it took (the same frees). Everything the allocator reads
+on the device stays there: ``seq_lens`` and ``last_loc`` are device tensors updated on the device, ``*_cpu`` twins
+are host tensors, the request rows live in a device ``req_to_token`` table, and the frees and the cache's inserts
+take slices of it. Allocators: paged (page size 16) and SWA (page size 16), each bare, then wrapped with
 ``mode="off"``, ``mode="record", verify="auto"`` (deferred on CUDA: the same configuration as the next, kept as
 the default an engine gets), ``mode="record", verify="deferred"``, ``mode="raise", verify="deferred"``, and
 record/deferred with a sink that has every event kind built (the exporters' event paths: page deltas, ledger
@@ -17,13 +20,14 @@ updates, step boundaries, snapshots every 8 steps). Page size 1, free groups and
 Counting: ``set_sync_debug_mode("warn")`` makes every synchronising CUDA call (``.item()``, ``.cpu()``,
 ``nonzero``, a D2H copy...) warn; the warnings raised inside each operation are counted by operation, bare and
 wrapped, and the table reports the difference (the target: the wrapper adds none; the bare allocators have their
-own, e.g. ``torch.unique`` in a set-shaped ``free``, which SGLang has too). ``step()`` and ``release_request``
-are counted too (the bare allocator has neither: any sync there is the wrapper's): under deferred verification a
-call only queues its check, which runs at a later ``step()``. Then the same loop runs once more per configuration
-under ``set_sync_debug_mode("error")``, as the proof: around every call but the allocator's own extend and final
-frees (which synchronise in the bare allocator too), so every ``step()`` (the one after the extend, each decode
-step's, the one after the final frees and releases, where those calls' deferred checks run) and every release
-is in it. ``flush()`` and ``check_consistency()`` may wait, and are called after it, outside.
+own, e.g. ``torch.unique`` in a set-shaped ``free``, which SGLang has too). ``step()``, ``cache_insert`` and
+``release_request`` are counted too (the bare allocator has none of them: any sync there is the wrapper's): under
+deferred verification a call only queues its check, which runs at a later ``step()``. Then the same loop runs once
+more per configuration under ``set_sync_debug_mode("error")``, as the proof: around every call but the allocator's
+own extend and final frees (which synchronise in the bare allocator too), so every ``step()`` (the one after the
+extend, each decode step's, the one after the cache's inserts, the one after the final frees and releases, where
+those calls' deferred checks run), every insert and every release is in it. ``flush()`` and
+``check_consistency()`` (with the cache's slots, and ``idle=True``) may wait, and are called after it, outside.
 
 On a machine without CUDA it says so and exits 2; ``--device cpu`` runs the same loop on the CPU without the
 sync check (a smoke test of the script, used by the tests). Runs in well under a minute on a GPU.
@@ -157,19 +161,29 @@ def run_loop(kind: str, device: torch.device, mode, verify, *, batch: int, steps
     per_step = (time.perf_counter() - t0) / steps
     length = prompt + steps
     evicted = _last_eviction(prompt, steps, evict_every) if kind == "swa" else 0
+    # The prefix cache takes every other request's whole pages before its final frees (wrapped, record or raise).
+    whole = length // PS * PS
+    cached = range(0, batch, 2) if ledger is not None else range(0)
+    strict_mode.on()
+    try:
+        for i in cached:
+            count("cache_insert", _cache_insert, alloc, ledger, rids[i], req_to_token[i, :whole])
+        if cached:
+            count("step", alloc.step)  # where the inserts' deferred checks run once their copies have landed
+    finally:
+        strict_mode.off()
     for i in range(batch):
         # The bare allocators' own frees synchronise (torch.unique): outside the strict region, counted as usual.
-        if kind == "swa":
-            count("free_swa_segment", alloc.free_swa_segment, req_to_token[i, evicted:length], start_pos=evicted)
-            count("free_full", alloc.free_full, req_to_token[i, :length])
-        else:
-            count("free", alloc.free, req_to_token[i, :length])
+        own = whole if i in cached else 0  # the request's own pages start after what the cache took
+        _free_row(alloc, count, kind, req_to_token[i], own, max(evicted, own), length)
         if ledger is not None:
             strict_mode.on()
             try:
                 count("release_request", alloc.release_request, rids[i])
             finally:
                 strict_mode.off()
+    for i in cached:  # the cache evicts what it took: frees as the requests' own
+        _free_row(alloc, count, kind, req_to_token[i], 0, evicted, whole)
     if mode not in (None, "off"):
         if device.type == "cuda":
             torch.cuda.synchronize()  # the frees' copies have landed: their checks run in this step()
@@ -179,7 +193,8 @@ def run_loop(kind: str, device: torch.device, mode, verify, *, batch: int, steps
         finally:
             strict_mode.off()
         alloc.flush()  # may wait: outside the loop, as an engine's idle check
-        found = alloc.check_consistency()
+        # The cache holds nothing now and every request was released: an idle engine's sweep finds nothing.
+        found = alloc.check_consistency(cached=torch.zeros(0, dtype=I64, device=device), idle=True)
         if found or alloc.violation_counts:
             raise AssertionError(f"{kind} {mode}/{verify}: the loop was not clean: {dict(alloc.violation_counts)}")
     return count.by_op, per_step
@@ -205,6 +220,24 @@ def _decode_loop(alloc, ledger, count, kind, mode, rids, req_to_token, seq, seq_
                 evicted = new
         if mode is not None:
             count("step", alloc.step)
+
+
+def _cache_insert(alloc, ledger, rid, row) -> None:
+    """The prefix cache takes the request's whole pages ``row`` (a slice of the device ``req_to_token`` table):
+    offered and held the same slots (nothing cached before), then the request's protected length written."""
+    with alloc.cache_insert(rid, row) as ins:
+        ins.held = row
+    ledger[rid].cache_protected_len = row.shape[0]
+
+
+def _free_row(alloc, count, kind: str, row, start: int, swa_start: int, end: int) -> None:
+    """Free the pages of ``row[start:end]``: on the SWA allocator its SWA KV from ``swa_start`` (what the window
+    left) by segment, then the full row."""
+    if kind == "swa":
+        count("free_swa_segment", alloc.free_swa_segment, row[swa_start:end], start_pos=swa_start)
+        count("free_full", alloc.free_full, row[start:end])
+    else:
+        count("free", alloc.free, row[start:end])
 
 
 def _last_eviction(prompt: int, steps: int, evict_every: int) -> int:

@@ -135,6 +135,10 @@ class KvLedger:
         # slot -> a misaligned SWA evicted length an SWA tail allocation implied and the wrapper reported there:
         # the engine's write of that value next is not reported again (one fault, one report).
         self.reported_evicted: dict[int, int] = {}
+        # Slots inserting their KV into the prefix cache (from cache_insert's offer to its take, in call order):
+        # what they free there are copies the cache already holds, positions that become protected, so the wrapper
+        # does not shrink their lengths for those frees (allocated_len="pages").
+        self.inserting: set[int] = set()
         # Slots whose last write was rejected: their pages may legitimately disagree with the ledger until the
         # request is reset, and the root cause was already reported.
         self.tainted: set[int] = set()
@@ -290,6 +294,7 @@ class KvLedger:
         self._live_cache = None
         self.dirty.discard(slot)
         self.tainted.discard(slot)
+        self.inserting.discard(slot)
         if leaked:
             self.leaked[slot] = True
         else:
@@ -305,9 +310,13 @@ class KvLedger:
 
     def write_protected(self, slot: int, value) -> bool:
         """``protect`` at the checked write point: a rejected value is reported (as any rejected write) and not
-        stored. Returns True when stored."""
+        stored, and a value of the wrong type is ``invalid_argument`` (as at ``write``). Returns True when stored."""
         with self.lock:
-            bad = self.protect(slot, value)
+            try:
+                bad = self.protect(slot, value)
+            except ArgumentTypeError as exc:
+                self._observer.ledger_rejected(slot, self._slot_rid[slot], [("invalid_argument", str(exc))], exc)
+                raise
             if bad:
                 self._observer.ledger_rejected(slot, self._slot_rid[slot], bad)
                 return False

@@ -671,7 +671,7 @@ def _pool_view(owner, attr: str, pool: str, allocator) -> _PoolView:
 
 
 class _CacheInsert:
-    """``InstrumentedAllocator.cache_insert``'s context manager: ``taken`` is the caller's to set."""
+    """``InstrumentedAllocator.cache_insert``'s context manager: ``held`` is the caller's to set."""
 
     __slots__ = ("_alloc", "_rid", "_slot", "_slots", "held")
 
@@ -686,7 +686,7 @@ class _CacheInsert:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._slot is not None and self.held is not None:
+        if self._slot is not None:
             self._alloc._cache_take(self._slot, self.held)
 
 
@@ -1249,13 +1249,14 @@ class InstrumentedAllocator:
         as it is before the insert. Every page of them must be the request's own: one the prefix cache owns
         already is a page handed to the cache twice, one free or another request's is not the request's to give
         (``double_free``, naming the request). During the insert the engine frees the pages the cache already had
-        a copy of (as any free). ``ins.held`` (set by the caller before the block ends; None: nothing taken) are
-        the slots the cache now holds for the request: its row over the positions that became protected, as it is
-        after the insert (SGLang points it at the cache's own slots). Every page of them, and every SWA page they
-        map to, that the request still owns passes to the cache (a cache that already held a position may adopt
-        the request's SWA page for it). Index tensors are read as the slot tier reads indices: at once on the
-        host, once their copies land from a device (taken at the call). The request's ``cache_protected_len`` is
-        the engine's to write (``ledger[rid]``)."""
+        a copy of (as any free, except that with ``allocated_len="pages"`` they leave the request's lengths: those
+        positions become protected, they are not dropped). ``ins.held`` (set by the caller before the block ends;
+        None: nothing taken) are the slots the cache now holds for the request: its row over the positions that
+        became protected, as it is after the insert (SGLang points it at the cache's own slots). Every page of
+        them, and every SWA page they map to, that the request still owns passes to the cache (a cache that already
+        held a position may adopt the request's SWA page for it). Index tensors are read as the slot tier reads
+        indices: at once on the host, once their copies land from a device (taken at the call). The request's
+        ``cache_protected_len`` is the engine's to write (``ledger[rid]``)."""
         return _CacheInsert(self, rid, slots)
 
     def _cache_offer(self, rid, slots):
@@ -1277,6 +1278,7 @@ class InstrumentedAllocator:
             ps = st.ps
 
             def check(o: np.ndarray) -> None:
+                led.inserting.add(slot)  # until the take (see KvLedger.inserting)
                 pages = sorted_unique(o // ps)
                 prev = full.shadow._owner_ext.take(pages, mode="clip")
                 bad = (prev != slot) & (prev != -1)
@@ -1302,7 +1304,11 @@ class InstrumentedAllocator:
                         )
 
             self._slot_tier(check, slots)
-            self._finish()
+            try:
+                self._finish()
+            except InvariantViolation:
+                led.inserting.discard(slot)  # refused (raise mode): no insert follows
+                raise
         return slot
 
     def _cache_take(self, slot: int, held) -> None:
@@ -1311,9 +1317,22 @@ class InstrumentedAllocator:
         st = self._w_st
         with st.lock:
             st.op = "cache_insert"
-            self._validate("cache_insert", check_index_tensor, "held", held, st.device)
-            if held.numel():
-                led = st.ledger
+            led = st.ledger
+
+            def end() -> None:
+                led.inserting.discard(slot)
+
+            if held is None:  # nothing taken: the insert ends
+                self._slot_tier(end)
+                return
+            try:
+                self._validate("cache_insert", check_index_tensor, "held", held, st.device)
+            except ArgumentError:
+                self._slot_tier(end)
+                raise
+            if not held.numel():
+                self._slot_tier(end)
+            else:
                 cache = led.cache_slot()
                 ps = st.ps
                 taken_slots = held
@@ -1331,9 +1350,12 @@ class InstrumentedAllocator:
                         if mine.size:
                             shadow._set(mine, cache)
                             owned = led.owned[pool.name]
+                            if pool.name == "full":  # its peak before the pages leave it (as a free records it)
+                                led.peak_pages[slot] = max(led.peak_pages.item(slot), owned.item(slot))
                             owned[slot] -= mine.size
                             owned[cache] += mine.size
                             led.dirty.add(slot)
+                    end()
 
                 if st.swa is not None and self._w_swa_frees == "peers":
                     self._slot_tier(take, taken_slots, self._peers_at(taken_slots))
@@ -1635,7 +1657,9 @@ class InstrumentedAllocator:
             if st.fold is not None:
                 self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
-            trusted = st.inner_checks and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
+            # An SWA tail is judged before the call (_tail_evicted_check reads seq_lens_cpu and swa_tail_len): its
+            # arguments are validated here first, whoever the inner is.
+            trusted = st.inner_checks and tail is _ABSENT and type(seq_lens) is torch.Tensor and seq_lens.dim() == 1
             if trusted:
                 bs = seq_lens.shape[0]  # the inner validates everything before it changes anything
             else:
@@ -2546,9 +2570,11 @@ class InstrumentedAllocator:
         pool.shadow.free_owned(pages, s, n, dedup)
         # _after_free_one, inlined.
         led = st.ledger
-        if pool is full and st.track_lengths:
-            # The request's allocated length follows its full-pool pages when they shrink.
-            cap = led.owned["full"].item(s) * ps
+        # A request inserting into the cache frees copies the cache holds: its lengths stay (KvLedger.inserting).
+        track = st.track_lengths and not (led.inserting and s in led.inserting)
+        if pool is full and track:
+            # The request's allocated length follows its full-pool pages when they shrink (after its protected prefix).
+            cap = led.owned["full"].item(s) * ps + led.protected.item(s)
             allocated = led.allocated.item(s)
             if allocated > cap:
                 led.allocated[s] = allocated = cap
@@ -2563,7 +2589,7 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
-            if st.track_lengths:  # else the engine's lengths: a request with no page left keeps them
+            if track:  # else the engine's lengths: a request with no page left keeps them
                 if st.fold is not None:
                     self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
                 led.reset(s)
@@ -3026,17 +3052,21 @@ class InstrumentedAllocator:
         led = self._w_st.ledger
         ps = self._w_ps
         slots_all = []
+        # Requests inserting into the cache free copies the cache holds: their lengths stay (KvLedger.inserting).
+        inserting = np.fromiter(led.inserting, np.int64, len(led.inserting)) if led.inserting else None
         for pool, owners, n_entries in touched:
             if owners.size:
                 slots_all.append(owners)
                 if pool.name == "full" and self._w_st.track_lengths:
+                    shrink = owners if inserting is None else owners[~np.isin(owners, inserting)]
                     if self._w_st.swa_frees == "pool":
-                        self._one_pool_lengths(op, owners)
+                        self._one_pool_lengths(op, shrink)
                     else:
-                        # The request's allocated length follows its full-pool pages when they shrink.
-                        cap = led.owned["full"][owners] * ps
-                        led.allocated[owners] = np.minimum(led.allocated[owners], cap)
-                        led.committed[owners] = np.minimum(led.committed[owners], led.allocated[owners])
+                        # The request's allocated length follows its full-pool pages when they shrink (after its
+                        # protected prefix, the cache's pages).
+                        cap = led.owned["full"][shrink] * ps + led.protected[shrink]
+                        led.allocated[shrink] = np.minimum(led.allocated[shrink], cap)
+                        led.committed[shrink] = np.minimum(led.committed[shrink], led.allocated[shrink])
             if self._w_st.want_free:
                 self._emit(
                     ev.Free,
@@ -3053,6 +3083,8 @@ class InstrumentedAllocator:
                 empty &= arr[slots] <= 0
             if not self._w_st.track_lengths:
                 empty[:] = False  # the engine's lengths: a request with no page left keeps them until it writes
+            elif inserting is not None:
+                empty &= ~np.isin(slots, inserting)
             if self._w_st.fold is not None and empty.any():
                 self._flush_fold()  # an SWA free left a request no page: the fold's values before they reset
             for s in slots[empty]:
@@ -3072,12 +3104,13 @@ class InstrumentedAllocator:
         a request's pages less those its window evicted. Its SWA frees (``free_swa``, ``free_swa_segment``) are
         that eviction, which the engine records next with its ``swa_evicted_seqlen`` write (SGLang's order, in
         mem_cache/common.py): the request's lengths stay, as on the two-pool allocator. Any other free shrinks
-        them to what its pages cover: the pages it still owns plus its evicted length. ``slots``: the distinct
+        them to what its pages cover: the pages it still owns after its evicted length or its protected prefix (the
+        cache's pages), whichever is longer, as the ledger check counts them. ``slots``: the distinct
         owner slots of the freed pages."""
         if op == "free_swa" or op == "free_swa_segment":
             return
         led = self._w_st.ledger
-        cap = led.owned["full"][slots] * self._w_ps + led.evicted[slots]
+        cap = led.owned["full"][slots] * self._w_ps + np.maximum(led.evicted[slots], led.protected[slots])
         led.allocated[slots] = np.minimum(led.allocated[slots], cap)
         led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
 
@@ -3087,12 +3120,15 @@ class InstrumentedAllocator:
         pool, owners, n_entries = touched
         led = st.ledger
         s = int(owners[0])
-        if pool.name == "full" and st.track_lengths:
+        # A request inserting into the cache frees copies the cache holds: its lengths stay (KvLedger.inserting).
+        track = st.track_lengths and not (led.inserting and s in led.inserting)
+        if pool.name == "full" and track:
             if st.swa_frees == "pool":
                 self._one_pool_lengths(op, owners)
             else:
-                # The request's allocated length follows its full-pool pages when they shrink.
-                cap = led.owned["full"].item(s) * st.ps
+                # The request's allocated length follows its full-pool pages when they shrink (after its protected
+                # prefix, the cache's pages).
+                cap = led.owned["full"].item(s) * st.ps + led.protected.item(s)
                 allocated = led.allocated.item(s)
                 if allocated > cap:
                     led.allocated[s] = allocated = cap
@@ -3107,7 +3143,7 @@ class InstrumentedAllocator:
             if arr.item(s) > 0:
                 break
         else:
-            if st.track_lengths:  # else the engine's lengths: a request with no page left keeps them
+            if track:  # else the engine's lengths: a request with no page left keeps them
                 if st.fold is not None:
                     self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
                 led.reset(s)

@@ -526,7 +526,8 @@ def test_release_request_off_mode_checks_nothing():
     assert list(s.e.w.violations) == []
 
 
-LEDGER_BAD = [(f, label, v) for f in ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
+LEDGER_FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen", "cache_protected_len")
+LEDGER_BAD = [(f, label, v) for f in LEDGER_FIELDS
               for label, v in (("none", None), ("float", 8.0), ("str", "8"), ("bool", True),
                                ("tensor", torch.tensor(8)), ("numpy-array", np.array([8])), ("list", [8]))]  # fmt: skip
 
@@ -537,13 +538,13 @@ def test_ledger_write_bad_type(field, label, value, mode):
     s = Setup("swa-4", mode)
     w = s.e.w
     kv = w.ledger["a"]
-    old = (kv.kv_allocated_len, kv.kv_committed_len, kv.swa_evicted_seqlen)
+    old = tuple(getattr(kv, f) for f in LEDGER_FIELDS)
     before = allocator_state(s.e.inner)
     with pytest.raises(TypeError) as info:
         setattr(kv, field, value)
     assert isinstance(info.value, ArgumentError) and info.value.argument == field
     assert str(info.value).startswith(f"{field}: expected an int, got ")
-    assert (kv.kv_allocated_len, kv.kv_committed_len, kv.swa_evicted_seqlen) == old  # never stored
+    assert tuple(getattr(kv, f) for f in LEDGER_FIELDS) == old  # never stored
     assert [v.invariant for v in w.violations] == ["invalid_argument"]
     assert w.violations[0].rid == "a" and w.violations[0].op == "ledger"
     assert allocator_state(s.e.inner) == before
