@@ -295,8 +295,8 @@ DOUBLE_FREE = (
     "(page 5 is free, last owned by request slot 2)"
 )
 LEAK = (
-    ":red[**request_leak**] · request **r1-0** · release (full): request 'r1-0' released while still owning 2 pages "
-    "(full: 2)"
+    ":red[**request_leak**] · request **r1-0** · release (full): request 'r1-0' released while still owning 2 pages, "
+    "neither freed nor handed to the prefix cache (full: \\[1, 2\\] (2 pages))"
 )
 
 

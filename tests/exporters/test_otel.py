@@ -170,7 +170,10 @@ def test_request_spans_scripted(memory):
     assert v0["kv.violation.invariant"] == "double_free"
     assert v1["kv.violation.invariant"] == "kv_committed_le_allocated"
     assert v2["kv.violation.invariant"] == "request_leak"
-    assert v2["kv.violation.message"] == "request 'b' released while still owning 2 pages (full: 2)"
+    assert v2["kv.violation.message"] == (
+        "request 'b' released while still owning 2 pages, neither freed nor handed to the prefix cache "
+        "(full: [4, 5] (2 pages))"
+    )
     assert events(sb, "kv.release") == [("kv.release", {"kv.pages_held": 2, "kv.pages_peak": 3, "kv.step": 4})]
     assert sb.status.status_code is StatusCode.ERROR
     assert sb.status.description.startswith("double_free: ")
@@ -683,7 +686,10 @@ def test_hashed_request_ids_in_spans(memory):
     assert hex_id(spans[_pseudonym("secret-ok-0001")]) == trace_ok
     p_leaky = _pseudonym("secret-leaky-0002")
     leak_span = spans[p_leaky]
-    leak_msg = f"request {p_leaky!r} released while still owning 2 pages (full: 2)"
+    leak_msg = (
+        f"request {p_leaky!r} released while still owning 2 pages, neither freed nor handed to the prefix cache "
+        "(full: [3, 4] (2 pages))"
+    )
     assert leak_span.status.status_code == StatusCode.ERROR
     assert leak_span.status.description == f"request_leak: {leak_msg}"
     assert events(leak_span, "kv.violation") == [
