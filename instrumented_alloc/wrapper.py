@@ -892,6 +892,12 @@ class InstrumentedAllocator:
     )
 
     @property
+    def bound_rids(self) -> tuple | None:
+        """The request ids the calling thread's ``batch()`` block binds, or None outside one."""
+        bound = getattr(self._w_tls, "bound", None)
+        return None if bound is None else bound[0]
+
+    @property
     def _w_bound(self):
         return getattr(self._w_tls, "bound", None)
 

@@ -519,3 +519,29 @@ def test_request_leak_names_the_pool_still_holding_pages():
         )
     ]
     assert _seen(d.w)[0][:4] == ("swa_mapping_inconsistent", "a", "swa", "free_full")
+
+
+def test_the_sweep_names_a_lost_pages_last_owner():
+    # A page the request freed leaves the inner's free list behind the wrapper's back: the sweep says which page and
+    # who last owned it (a step before it would report the count, and the sweep then only resyncs).
+    inner = PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False)
+    w = InstrumentedAllocator(inner, mode="record")
+    with w.batch(["a"]):
+        out = w.alloc(8)
+    assert out.tolist() == list(range(4, 12))  # pages 1 and 2
+    w.free(out)
+    lost = int(inner.free_pages[0])
+    assert lost in (1, 2)
+    inner.free_pages = inner.free_pages[1:]
+    found = w.check_consistency()
+    assert [(v.invariant, v.op) for v in found] == [("pool_conservation", "sweep")]
+    assert found[0].message == (
+        f"sweep: pool full: [{lost}] (1 pages) are neither in the free list nor handed out; page {lost} was last "
+        "owned by request 'a', which freed it"
+    )
+    # Once the request is released, its slot may name another: the message no longer names the request.
+    w.release_request("a")
+    inner.free_pages = inner.free_pages[1:]
+    other = 3 - lost
+    (v,) = w.check_consistency()
+    assert v.message.endswith(f"; page {other} was last freed by request slot 0, released since"), v.message

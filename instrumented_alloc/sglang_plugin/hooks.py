@@ -62,13 +62,16 @@ def _after_build(result, *args, **kwargs):
     return None
 
 
-def _bound(sess, reqs, call, lens=None):
-    """``call()`` with the allocator bound to ``reqs`` (in batch order), unless another hook already bound it."""
+def _bound(sess, reqs, call, lens=None, *, protect: bool = False):
+    """``call()`` with the allocator bound to ``reqs`` (in batch order), unless another hook already bound it;
+    ``protect``: first give the wrapper each request's protected prefix (``Session.protect``)."""
     alloc = sess.alloc
-    if alloc._w_bound is not None:
+    if alloc.bound_rids is not None:
         return call()
     rids = sess.bind_records(reqs)
     with alloc.batch(rids, lens=lens):
+        if protect:
+            sess.protect(reqs)
         out = call()
     sess.active = True
     return out
@@ -78,20 +81,9 @@ def _around_extend(original, batch, *args, **kwargs):
     sess = session.current()
     if sess is None or not sess.owns(batch.tree_cache.token_to_kv_pool_allocator):
         return original(batch, *args, **kwargs)
-    reqs = list(batch.reqs)
-    lens = None
-    if sess.alloc.page_size == 1:
-        # alloc(extend_num_tokens): each request's share is its extend length.
-        lens = [int(x) for x in batch.extend_lens]
-    alloc = sess.alloc
-    if alloc._w_bound is not None:
-        return original(batch, *args, **kwargs)
-    rids = sess.bind_records(reqs)
-    with alloc.batch(rids, lens=lens):
-        sess.protect(reqs)
-        out = original(batch, *args, **kwargs)
-    sess.active = True
-    return out
+    # Page size 1 allocates with alloc(extend_num_tokens): each request's share is its extend length.
+    lens = [int(x) for x in batch.extend_lens] if sess.alloc.page_size == 1 else None
+    return _bound(sess, list(batch.reqs), lambda: original(batch, *args, **kwargs), lens, protect=True)
 
 
 def _around_decode(original, batch, token_per_req, *args, **kwargs):
