@@ -1759,11 +1759,13 @@ class InstrumentedAllocator:
                     owned_full = led.owned["full"]
                     owned_full[s0] = owned_full.item(s0) + grow.item(0)
                     led.committed[s0] = seq.item(0)
-                    led.allocated[s0] = ceil_seq.item(0) * ps
+                    # The request's allocated length: whole pages, or (allocated_len="tokens") its token count, the
+                    # value the engine writes next (then no change to report).
+                    led.allocated[s0] = ceil_seq.item(0) * ps if st.track_lengths else seq.item(0)
                 else:
                     led.owned["full"][slots] += grow
                     led.committed[slots] = seq
-                    led.allocated[slots] = ceil_seq * ps
+                    led.allocated[slots] = ceil_seq * ps if st.track_lengths else seq
                 if st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
@@ -1962,6 +1964,8 @@ class InstrumentedAllocator:
                     run.end += run.row  # past the rows' end: an empty slice, which no call's bytes match
                     if slots is not None:
                         st.ledger.committed[slots] = seq
+                        if not st.track_lengths:
+                            st.ledger.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
                     # No page delta: no owner changes (see PageUpdate), so the call publishes none.
                     n_new = 0
                 else:
@@ -2017,6 +2021,8 @@ class InstrumentedAllocator:
                 for arr in led.owned.values():
                     arr[openers] += 1
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
+            if not self._w_st.track_lengths:
+                led.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
             st = self._w_st
             if st.want_decode_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
@@ -2312,6 +2318,8 @@ class InstrumentedAllocator:
                 arr[openers] += 1
             # An opener's position is a page's first (seq = k * ps + 1): it now holds ceil(seq / ps) * ps slots.
             led.allocated[openers] = seq_m if opens is None else seq_m[opens]
+            if not st.track_lengths:
+                led.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
         if not written:
             shadow.owner[pages] = own
         shadow.version += 1
@@ -2405,6 +2413,8 @@ class InstrumentedAllocator:
                 for name, vals in roll.owned_next:
                     owned[name][openers] = vals[a:b]
                 led.allocated[openers] = roll.alloc_next[a:b]
+                if not st.track_lengths:
+                    led.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
             # Only the openers' pages change: every other page of the batch reads own already (the invariant).
             if n_new < 2 or slots is None:
                 shadow.owner[pages] = own_next
@@ -2416,6 +2426,8 @@ class InstrumentedAllocator:
             shadow.expected_entries -= n_new
         elif slots is not None:
             st.ledger.committed[slots] = seq
+            if not st.track_lengths:
+                st.ledger.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
         roll.last = o.copy()  # the caller's: copied
         roll.version = shadow.version
         if k + 1 < len(roll.keep):
