@@ -1,14 +1,18 @@
 """Clean traffic is silent: SGLang's real Engine, plugin on in raise mode, seeded traffic with shared prefixes
 (cache hits), aborted requests and retraction, in the configurations SGLang is run in. A violation in raise mode
 kills the scheduler (the driver then exits non-zero), and every violation is in the rank's recording: both must
-stay empty. Each configuration is one Engine start, shared by its checks."""
+stay empty. Each configuration is one Engine start, shared by its checks; two of them also carry a failing
+exporter (an unwritable record directory, a taken metrics port), which must leave SGLang serving."""
 
 from __future__ import annotations
 
+import re
+import socket
 from collections import Counter
 
 import pytest
 
+from tests.prometheus_server import free_port
 from tests.sglang import harness
 
 pytestmark = pytest.mark.sglang
@@ -66,25 +70,42 @@ def page_size_16(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_swa(tmp_path_factory):
     # The hybrid sliding-window model (SGLang's real SWATokenToKVPoolAllocator) at page size 16, radix cache on,
-    # SWA evictions every 16 tokens.
-    return harness.run(
-        tmp_path_factory.mktemp("swa"),
-        model="swa",
-        engine={"page_size": 16, "max_total_tokens": 8192},
-        env={"SGLANG_SWA_EVICTION_INTERVAL": "16"},
-        workloads=[WAVES, {"kind": "abort", "n": 2}, IDLE],
-    )
+    # SWA evictions every 16 tokens. Its KVALLOC_METRICS_PORT is taken (test_bad_input's case, on this engine).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = harness.run(
+            tmp_path_factory.mktemp("swa"),
+            model="swa",
+            engine={"page_size": 16, "max_total_tokens": 8192},
+            env={"SGLANG_SWA_EVICTION_INTERVAL": "16", "KVALLOC_METRICS_PORT": str(taken.getsockname()[1])},
+            workloads=[WAVES, {"kind": "abort", "n": 2}, IDLE],
+        )
+        run.taken_port = taken.getsockname()[1]
+    return run
 
 
 @pytest.fixture(scope="module")
 def radix_off(tmp_path_factory):
-    return harness.run(
-        tmp_path_factory.mktemp("radix-off"),
+    # The radix cache off. Its KVALLOC_RECORD_DIR cannot be created (test_bad_input's case, on this engine): the
+    # metrics, on KVALLOC_METRICS_PORT, say what it recorded instead.
+    tmp = tmp_path_factory.mktemp("radix-off")
+    blocker = tmp / "not-a-dir"
+    blocker.write_text("a file where the directory would be\n")
+    port = free_port()
+    run = harness.run(
+        tmp,
         model="swa",
         engine={"page_size": 16, "max_total_tokens": 8192, "disable_radix_cache": True},
-        env={"SGLANG_SWA_EVICTION_INTERVAL": "16"},
-        workloads=[WAVES, IDLE],
+        env={
+            "SGLANG_SWA_EVICTION_INTERVAL": "16",
+            "KVALLOC_RECORD_DIR": str(blocker / "recordings"),
+            "KVALLOC_METRICS_PORT": str(port),
+        },
+        workloads=[WAVES, IDLE, {"kind": "scrape", "url": f"http://127.0.0.1:{port}/metrics"}],
     )
+    run.blocker = blocker
+    return run
 
 
 def test_page_size_1_with_the_radix_cache(page_size_1):
@@ -123,5 +144,31 @@ def test_hybrid_swa_with_the_radix_cache(hybrid_swa):
 
 
 def test_radix_cache_off(radix_off):
-    assert_clean(radix_off)
+    # Raise mode: a violation would have ended the scheduler. No recording here (see the fixture): the metrics
+    # count the violations, and there are none.
+    assert radix_off.returncode == 0 and radix_off.results["phase"] == "done", harness.describe(radix_off)
+    assert radix_off.recordings == []
+    text = radix_off.workload("scrape")["text"]
+    assert re.search(r"^kvalloc_pages_allocated_total\{[^}]*pool=\"full\"[^}]*\} [1-9]", text, re.M), text[:3000]
+    assert not re.search(r"^kvalloc_invariant_violations_total\{[^}]*\} [1-9]", text, re.M)
     assert radix_off.workload("waves")["cached"] == [0, 0, 0]
+
+
+def test_an_unwritable_record_dir_leaves_sglang_serving_and_counts_the_loss(radix_off):
+    lines = [line for line in radix_off.log.splitlines() if "KVALLOC_RECORD_DIR=" in line]
+    assert len(lines) == 1 and re.search(
+        rf"instrumented-alloc: KVALLOC_RECORD_DIR={re.escape(str(radix_off.blocker))}/recordings: no recording for "
+        r"this rank: .*Not a directory.*; SGLang goes on without it \(its events are counted as dropped\)",
+        lines[0],
+    ), lines
+    text = radix_off.workload("scrape")["text"]
+    (dropped,) = re.findall(r'^kvalloc_events_dropped_total\{[^}]*sink="recorder"[^}]*\} (\S+)$', text, re.M)
+    assert float(dropped) > 0
+
+
+def test_a_taken_metrics_port_leaves_sglang_serving(hybrid_swa):
+    assert_clean(hybrid_swa)
+    lines = [line for line in hybrid_swa.log.splitlines() if "KVALLOC_METRICS_PORT" in line]
+    assert len(lines) == 1 and f"serving on 127.0.0.1:{hybrid_swa.taken_port}" in lines[0], lines
+    assert "in use" in lines[0]
+    assert "in use" in hybrid_swa.recording.meta["exporters_failed"]["prometheus"]
