@@ -217,6 +217,7 @@ def test_kvalloc_metrics_join_sglangs_metrics_for_both_ranks(server, served):
 
 
 def test_each_rank_has_its_recording_and_the_metrics_equal_its_allocator(server, served):
+    from dashboard.views import run_identity
     from exporters.recorder import Recording
     from instrumented_alloc.replay import to_snapshots
     from instrumented_alloc.stats import pages_by_state
@@ -238,6 +239,8 @@ def test_each_rank_has_its_recording_and_the_metrics_equal_its_allocator(server,
             "pp_rank": 0,
             "engine_type": "unified",
         }
+        # The dashboard heads each rank's column with its engine and ranks.
+        assert run_identity(meta) == f"engine sglang · tp_rank {rank} · pp_rank 0"
         state = rec.state_at(rec.steps()[1])
         snaps = to_snapshots(state, page_size=16, sliding_window=meta["sliding_window"])
         metric = {(s["pool"], s["state"]): v for s, v in samples(text, "kvalloc_pages") if s["tp_rank"] == str(rank)}
