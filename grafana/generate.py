@@ -12,7 +12,7 @@ Contract
   regex ``.*``, which also matches series without that label. Every panel has a description that says what a bad
   value means.
 - Labels: the demo labels its series ``engine="demo"`` (a single-process user passes any const labels, e.g.
-  ``engine`` and rank labels); inside SGLang (the plugin, ``instrumented_alloc.sglang_plugin.sinks.rank_labels``)
+  ``engine`` and rank labels); inside SGLang (the plugin, ``exporters.sglang.rank_labels``)
   the const labels are SGLang's scheduler labels, as its ``SchedulerMetricsCollector`` sets them: ``model_name``,
   ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, ``dp_rank`` only when set, plus
   ``--extra-metric-labels``, and no ``engine``. The dashboard serves both. ``moe_ep_rank`` has no variable and is

@@ -1,7 +1,8 @@
 """The SGLang plugin: switches the instrumented allocator on inside SGLang's own server, with one setting.
 
-Installing the distribution registers ``register`` in SGLang's ``sglang.srt.plugins`` entry-point group; SGLang
-calls it at start in every one of its processes. It is inert unless ``KVALLOC_MODE`` is ``record`` or ``raise``
+Installing the distribution registers ``exporters.sglang.register`` in SGLang's ``sglang.srt.plugins`` entry-point
+group; SGLang calls it at start in every one of its processes, and it calls ``register`` here with the function that
+attaches the exporters. It is inert unless ``KVALLOC_MODE`` is ``record`` or ``raise``
 (see ``config.py`` for every setting). Then it hooks SGLang (``hooks.py``) and each scheduler process wraps its
 KV allocator, attributes allocations to requests, routes their KV length writes through the checked ledger,
 follows the prefix cache's ownership, steps once per scheduler iteration and sweeps when idle.
@@ -22,8 +23,11 @@ class PluginError(SystemExit):
     """The plugin refuses to start SGLang: the message says why."""
 
 
-def register() -> None:
-    """SGLang's entry point (``sglang.srt.plugins``): inert unless ``KVALLOC_MODE`` switches the plugin on."""
+def register(*, attach_sinks=None) -> None:
+    """Start the plugin in this SGLang process: inert unless ``KVALLOC_MODE`` switches it on. ``attach_sinks``
+    (``exporters.sglang.attach``, passed by the distribution's entry point, ``exporters.sglang.register``):
+    ``attach_sinks(session, server_args, model_config)`` attaches a scheduler's exporters once its allocator and
+    tree cache are built; None: no exporter (the core imports none)."""
     try:
         cfg = from_env(os.environ)
     except ConfigError as exc:
@@ -45,7 +49,7 @@ def register() -> None:
         )
     from instrumented_alloc.sglang_plugin import faults, hooks, probe, session
 
-    session.start(cfg)
+    session.start(cfg, attach_sinks=attach_sinks)
     try:
         extra = faults.hooks(cfg.inject) + (probe.hooks(probe_path) if probe_path else ())
         hooks.install(extra=extra)

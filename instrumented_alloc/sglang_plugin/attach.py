@@ -1,4 +1,5 @@
-"""Attach a session to the scheduler SGLang just built: its request rows, its tree cache, its exporters.
+"""Attach a session to the scheduler SGLang just built: its request rows, its tree cache, its exporters (the
+session's ``attach_sinks``, injected by the entry point).
 
 Runs once per scheduler process, in ``build_kv_cache``'s after-hook, when the tree cache and the request pool
 exist and before the first request. The tree cache's ``checkpoint`` is wrapped on that instance (its class varies
@@ -9,8 +10,6 @@ wrapper (``Session.checkpoint``).
 from __future__ import annotations
 
 import functools
-
-from instrumented_alloc.sglang_plugin import sinks
 
 _MARK = "_kvalloc_checkpoint"
 
@@ -32,4 +31,5 @@ def attach(sess, result, server_args, model_config) -> None:
 
         tree.checkpoint = checkpoint
         setattr(tree, _MARK, True)
-    sinks.attach(sess, server_args, model_config)
+    if sess.attach_sinks is not None:
+        sess.attach_sinks(sess, server_args, model_config)

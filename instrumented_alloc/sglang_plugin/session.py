@@ -31,17 +31,19 @@ def current() -> Session | None:
     return _SESSION
 
 
-def start(cfg: Config) -> Session:
+def start(cfg: Config, *, attach_sinks=None) -> Session:
     global _SESSION
     if _SESSION is None:
-        _SESSION = Session(cfg)
+        _SESSION = Session(cfg, attach_sinks=attach_sinks)
         atexit.register(_SESSION.close)  # the recorder's last batch, the metrics server
     return _SESSION
 
 
 class Session:
-    def __init__(self, cfg: Config, *, clock=time.monotonic):
+    def __init__(self, cfg: Config, *, clock=time.monotonic, attach_sinks=None):
         self.cfg = cfg
+        # attach_sinks(session, server_args, model_config): the exporters, injected (see sglang_plugin.register).
+        self.attach_sinks = attach_sinks
         self.clock = clock
         self.alloc: InstrumentedAllocator | None = None
         self.req_to_token = None  # SGLang's req_to_token_pool.req_to_token (rows of slots), set at build
@@ -52,7 +54,7 @@ class Session:
         self.dirty_since_sweep = False  # ... since the last consistency sweep
         self.last_sweep = -float("inf")
         self.closers: list = []
-        self.labels: dict = {}  # SGLang's labels of this scheduler (sinks.rank_labels)
+        self.labels: dict = {}  # SGLang's labels of this scheduler (exporters.sglang.rank_labels)
         self.recording: str | None = None
         self.metrics_url: str | None = None
         self.prometheus = None

@@ -2,7 +2,7 @@
 the plugin exports inside SGLang, next to the demo's.
 
 Inside SGLang the exporter's const labels are SGLang's scheduler labels, as its ``SchedulerMetricsCollector`` sets
-them (``instrumented_alloc.sglang_plugin.sinks.rank_labels``): ``model_name``, ``engine_type``, ``tp_rank``,
+them (``exporters.sglang.rank_labels``): ``model_name``, ``engine_type``, ``tp_rank``,
 ``pp_rank``, ``moe_ep_rank``, ``dp_rank`` only when DP is on, and no ``engine``. All ranks of one server are
 scraped through one /metrics endpoint (multiprocess mode), so they share one ``instance``.
 
@@ -195,7 +195,7 @@ def test_the_label_sets_are_the_plugins():
     sglang_compat.require_sglang(require_swa=False)
     import sglang.srt.runtime_context as rc
 
-    from instrumented_alloc.sglang_plugin.sinks import rank_labels
+    from exporters.sglang import rank_labels
 
     cases = [
         (A_PP0, MODEL_A, "null", dict(world_rank=0, tp_size=1, attn_tp_size=1, moe_ep_size=1), None),

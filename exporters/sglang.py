@@ -1,7 +1,10 @@
-"""The exporters inside SGLang: which ones a scheduler process gets, with SGLang's labels and switches.
+"""The exporters inside SGLang: which ones a scheduler process gets, with SGLang's labels and switches; and the
+plugin's entry point, which hands them to the core plugin.
 
-The plugin's composition root: the only plugin module that imports ``exporters``, and only inside functions (the
-core stays importable without them).
+``register`` is what SGLang's ``sglang.srt.plugins`` entry-point group names: it starts the core plugin
+(``instrumented_alloc.sglang_plugin``, which imports no exporter) with ``attach`` as the function that attaches a
+scheduler's exporters once its allocator is built. The exporters' libraries are imported inside functions, when a
+switch asks for them.
 
 - Prometheus: with SGLang's ``--enable-metrics`` (SGLang then sets ``PROMETHEUS_MULTIPROC_DIR`` for its processes
   and its HTTP server's ``/metrics`` serves every file there), the ``kvalloc_`` metrics are multiprocess files in
@@ -26,6 +29,13 @@ import os
 log = logging.getLogger("instrumented_alloc.sglang")
 
 _RANK_KEYS = ("engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank")
+
+
+def register() -> None:
+    """SGLang's entry point (``sglang.srt.plugins``): inert unless ``KVALLOC_MODE`` switches the plugin on."""
+    from instrumented_alloc.sglang_plugin import register as start
+
+    start(attach_sinks=attach)
 
 
 def rank_labels() -> dict:
