@@ -59,7 +59,7 @@ from instrumented_alloc.sglang_plugin import faults, tiny_model, traffic
 from instrumented_alloc.sglang_plugin.config import SUPPORTED_SGLANG
 
 PROG = "instrumented-alloc"
-PLUGIN = "instrumented_alloc.sglang_plugin:register"
+PLUGIN = "exporters.sglang:register"  # the entry point the distribution installs
 ROOT = Path(__file__).resolve().parents[2]  # what the server's processes import the plugin from (this checkout)
 
 # The plugin's faults a plain server can show (prealloc-tail needs SGLang's PD decode side), and what they need.
