@@ -2,6 +2,7 @@
 long hunt by hand)."""
 
 import os
+import socket
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,3 +24,13 @@ def otel_env(monkeypatch):
         if k.startswith("OTEL_"):
             monkeypatch.delenv(k)
     return monkeypatch
+
+
+@pytest.fixture
+def taken_port():
+    """A TCP port on 127.0.0.1 that a listening socket holds for the test (bad input: a port in use)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()

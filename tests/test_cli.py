@@ -72,15 +72,6 @@ def test_unknown_command_is_a_usage_error():
     _one_line_error(_run("no-such-command"), "invalid choice")
 
 
-@pytest.fixture
-def taken_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    yield s.getsockname()[1]
-    s.close()
-
-
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
     bad_trace = tmp_path / "bad.jsonl"
     bad_trace.write_text('{"arrival": 0, "prompt_len": 10, "output_len": 5}\n{"arrival": 1, "prompt_len": -3}\n')

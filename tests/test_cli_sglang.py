@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -175,15 +174,6 @@ def test_the_demo_leaves_nothing_running(run):
 
 
 # -- bad input: one line, exit 2, nothing started -------------------------------------------------------------------
-@pytest.fixture
-def taken_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    yield s.getsockname()[1]
-    s.close()
-
-
 def _one_line_error(capsys, args, *needles, workdir: Path, engine=("--engine", "sglang")):
     """``demo`` with ``args``, in this process: exit 2, one line on stderr holding ``needles``, nothing written or
     started."""

@@ -37,6 +37,15 @@ class Config:
     inject: tuple[str, ...] = ()
 
 
+def seconds(text: str) -> float | None:
+    """``text`` as a finite number of seconds >= 0, or None when it is not one."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def from_env(env: Mapping[str, str]) -> Config | None:
     """The settings in ``env``, or None when the plugin is to stay inert. Raises ``ConfigError``."""
     mode = env.get("KVALLOC_MODE", "").strip().lower()
@@ -56,11 +65,8 @@ def from_env(env: Mapping[str, str]) -> Config | None:
     interval = env.get("KVALLOC_SWEEP_INTERVAL", "").strip()
     sweep = 1.0
     if interval:
-        try:
-            sweep = float(interval)
-        except ValueError:
-            sweep = math.nan
-        if not (math.isfinite(sweep) and sweep >= 0):
+        sweep = seconds(interval)
+        if sweep is None:
             raise ConfigError(f"KVALLOC_SWEEP_INTERVAL={interval!r}: expected a number of seconds >= 0")
     record_dir = env.get("KVALLOC_RECORD_DIR", "").strip() or None
     inject = tuple(x.strip() for x in env.get("KVALLOC_INJECT", "").split(",") if x.strip())

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import math
 import os
 import re
 import signal
@@ -56,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from instrumented_alloc.sglang_plugin import faults, tiny_model, traffic
-from instrumented_alloc.sglang_plugin.config import SUPPORTED_SGLANG
+from instrumented_alloc.sglang_plugin.config import SUPPORTED_SGLANG, seconds
 
 PROG = "instrumented-alloc"
 PLUGIN = "exporters.sglang:register"  # the entry point the distribution installs
@@ -130,11 +129,8 @@ def plan(specs, *, model: str) -> list[Injection]:
             raise BadInput(f"fault {name} needs the hybrid sliding-window model (--model swa)")
         at = None
         if sep:
-            try:
-                at = float(at_s)
-            except ValueError:
-                at = math.nan
-            if not (math.isfinite(at) and at >= 0):
+            at = seconds(at_s)
+            if at is None:
                 raise BadInput(f"{text!r}: the time after @ must be a number of seconds >= 0, got {at_s!r}")
         if any(p[0] == name for p in parsed):
             raise BadInput(f"--inject {name} is given twice (one tagged request per fault)")
