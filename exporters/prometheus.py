@@ -12,7 +12,9 @@ metrics (idempotent; also a context manager).
 
 What is computed when
 - Counters and histograms (violations, alloc failures, pages allocated/freed, SWA-evicted tokens, op durations,
-  peak pages per request) come from the wrapper's events, through the sink. The sink runs on the engine thread
+  peak pages per request, the instrumentation's own cost: ``kvalloc_overhead_seconds_total{part}`` and
+  ``kvalloc_overhead_iteration_seconds``, from each ``StepBoundary``'s ``overhead`` and ``iteration_seconds``)
+  come from the wrapper's events, through the sink. The sink runs on the engine thread
   (the allocator caller's thread, inside the wrapper's lock): it does a few dictionary look-ups and
   ``inc``/``observe`` calls per event, no I/O, no snapshot (single-process mode), and never raises: a failure is
   caught, kept in ``last_error``/``sink_errors``, and the batch is reported to the bus as refused, so the bus
@@ -95,8 +97,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from exporters import mpclaims
 from instrumented_alloc import INVARIANTS, stats
 from instrumented_alloc import events as ev
+from instrumented_alloc.selfcost import PARTS
 
-__all__ = ["OP_DURATION_BUCKETS", "REQUEST_PAGES_BUCKETS", "PrometheusExporter"]
+__all__ = ["OP_DURATION_BUCKETS", "OVERHEAD_BUCKETS", "REQUEST_PAGES_BUCKETS", "PrometheusExporter"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,9 @@ OP_DURATION_BUCKETS = (
     1e-2,
     1e-1,
 )
+# The instrumentation's own host time per scheduler iteration: a microsecond (a step with nothing to check) to
+# 10 ms (a GPU decode step: past it the overlap scheduler cannot hide it).
+OVERHEAD_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 # Peak pages per request: 1 .. 4096 pages, doubling (a 4096-page request at page size 64 is 256k tokens).
 REQUEST_PAGES_BUCKETS = tuple(float(2**i) for i in range(13))
 
@@ -172,9 +178,10 @@ _SWA_ONLY_OPS = frozenset(
 _MAX_EXEMPLAR_RUNES = 128  # OpenMetrics: label names + values of one exemplar
 # The sink's per-event type tests, as module globals (one dictionary look-up each instead of two).
 _ALLOC, _FREE, _RELEASED, _EVICT = ev.Alloc, ev.Free, ev.RequestReleased, ev.SwaEvict
-_VIOLATION, _FAILED = ev.ViolationEvent, ev.AllocFailed
+_VIOLATION, _FAILED, _STEP = ev.ViolationEvent, ev.AllocFailed, ev.StepBoundary
 _bisect_left = bisect.bisect_left
 _PEAK = None  # the request-pages histogram's key among the pending observations (the others: op names)
+_ITERATION = 0  # the per-iteration self-cost histogram's key among them
 
 
 def _check_const_labels(const_labels: Mapping | None) -> dict[str, str]:
@@ -295,9 +302,11 @@ class _Sink:
     as dropped)."""
 
     name = SINK_NAME
-    # What the counters and histograms read: the wrapper then skips building what we ignore (page and ledger
-    # deltas; step boundaries too unless multiprocess gauges refresh on them).
-    event_types = frozenset({ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased})
+    # What the counters and histograms read (step boundaries: the self-cost, and the multiprocess gauges'
+    # refresh): the wrapper then skips building what we ignore (page and ledger deltas).
+    event_types = frozenset(
+        {ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased, ev.StepBoundary}
+    )
 
     @classmethod
     def build(cls, x: PrometheusExporter) -> Callable:
@@ -310,7 +319,7 @@ class _Sink:
                 return on_batch(batch)
 
         sink.name = cls.name
-        sink.event_types = (cls.event_types | {ev.StepBoundary}) if x.multiprocess else cls.event_types
+        sink.event_types = cls.event_types
         return sink
 
     @staticmethod
@@ -319,6 +328,7 @@ class _Sink:
         # the sink holds them in its closure.
         inc, obs = x._tot_inc, x._tot_obs
         alloc_child, free_child = x._alloc_child, x._free_child
+        part_children = x._overhead_children
 
         def sink(batch) -> bool | None:
             try:
@@ -349,6 +359,16 @@ class _Sink:
                         if n > 0:
                             c = x._evicted_child
                             inc[c] = inc.get(c, 0) + n
+                    elif t is _STEP:
+                        overhead = e.overhead
+                        if overhead:
+                            # Cumulative seconds per part: the running totals themselves.
+                            for c, total in zip(part_children, overhead):
+                                inc[c] = total
+                            p = obs[_ITERATION]
+                            d = e.iteration_seconds
+                            p[0] += d
+                            p[1 + _bisect_left(OVERHEAD_BUCKETS, d)] += 1
                     elif t is _VIOLATION:
                         x._on_violation(e)
                     elif t is _FAILED:
@@ -466,7 +486,15 @@ class PrometheusExporter:
                 self._mp_space.reserve()  # metrics without labels write their series as they are built
             self._build_event_metrics()
             if self._aggregate:
-                for m in (self._allocated, self._freed, self._evicted, self._op_duration, self._request_pages):
+                for m in (
+                    self._allocated,
+                    self._freed,
+                    self._evicted,
+                    self._op_duration,
+                    self._request_pages,
+                    self._overhead,
+                    self._overhead_iteration,
+                ):
                     m.collect = self._flushing_collect(m.collect)
             if self.multiprocess:
                 self._build_mp_gauges()
@@ -496,6 +524,7 @@ class PrometheusExporter:
                 self._aggregate = False  # a prometheus_client without these internals: publish at once
         if self._aggregate:
             self._tot_obs[_PEAK] = self._new_running(REQUEST_PAGES_BUCKETS, self._peak_child)
+            self._tot_obs[_ITERATION] = self._new_running(OVERHEAD_BUCKETS, self._overhead_iteration_child)
         self.sink = _Sink.build(self)
         alloc.subscribe(self.sink)
         if self.multiprocess:
@@ -538,6 +567,21 @@ class PrometheusExporter:
             ("pool",),
             buckets=REQUEST_PAGES_BUCKETS,
         )
+        self._overhead = self._metric(
+            Counter,
+            "overhead_seconds",
+            "Host seconds the instrumentation spent on the engine's thread, by part (hooks, ledger, checks, "
+            "exporters).",
+            ("part",),
+        )
+        self._overhead_iteration = self._metric(
+            Histogram,
+            "overhead_iteration_seconds",
+            "Host seconds the instrumentation added to one scheduler iteration (observed at each step boundary; "
+            "its count is the iterations).",
+            (),
+            buckets=OVERHEAD_BUCKETS,
+        )
         self._children: dict = {}
         # Series that alert rules and rate() must see before the first increment.
         for inv in INVARIANTS:
@@ -558,6 +602,9 @@ class PrometheusExporter:
         self._dur_child: dict = {}
         self._evicted_child = self._child(self._evicted)
         self._peak_child = self._child(self._request_pages, "full")
+        self._overhead_children = tuple(self._child(self._overhead, part) for part in PARTS)
+        self._overhead_iteration_child = self._child(self._overhead_iteration)
+        self._overhead_seen = [0.0] * len(PARTS)  # multiprocess: the totals already added to the counters
 
     def _pages_child(self, t: type, pool: str):
         """The pages allocated (``t`` is ``Alloc``) or freed counter child of ``pool``, now in the sink's map."""
@@ -689,6 +736,14 @@ class PrometheusExporter:
         self._child(self._violations, v.invariant).inc(1, exemplar=_exemplar(v.trace_id))
 
     def _on_step(self, e: ev.StepBoundary) -> None:
+        overhead = e.overhead
+        if overhead:
+            seen = self._overhead_seen
+            for i, (c, total) in enumerate(zip(self._overhead_children, overhead)):
+                if total > seen[i]:
+                    c.inc(total - seen[i])
+                    seen[i] = total
+            self._overhead_iteration_child.observe(e.iteration_seconds)
         if self.multiprocess and self._refresh_due():
             self.refresh()
 

@@ -240,7 +240,16 @@ class StepBoundary(Event):
     page twice, so this exceeds the free pages by the duplicates until the list is merged or the pages reused."""
 
     available: dict = field(default_factory=dict)
+    # What the instrumentation has cost the engine's thread so far, in seconds per part (``selfcost.PARTS``
+    # order), and what it cost since the previous boundary (one scheduler iteration, where the engine steps once
+    # per iteration).
+    overhead: tuple = ()
+    iteration_seconds: float = 0.0
 
+
+# The fields that hold clock readings (timestamps, call durations, the instrumentation's own cost): two runs of the
+# same calls publish the same events but for these.
+CLOCK_FIELDS = frozenset({"ts", "duration", "overhead", "iteration_seconds"})
 
 Sink = Callable[[Sequence[Event]], "bool | None"]
 

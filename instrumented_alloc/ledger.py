@@ -24,6 +24,8 @@ Contract:
   ``wrapper._DecodeRoll``).
 - ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
   returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
+- A checked write (``write``, ``write_protected``) is a boundary where the engine's code enters ours: its time is
+  charged to ``cost``'s ``ledger`` part (the wrapper's ``SelfCost`` once it observes this ledger).
 - Host memory only; never touches a device tensor. Not thread-safe by itself: the wrapper serialises its calls
   and, through ``lock``, the engine's checked writes.
 - Slots of released requests are reused, except slots whose request leaked pages (their pages still name them).
@@ -39,6 +41,7 @@ import numpy as np
 
 from instrumented_alloc.argcheck import ArgumentTypeError
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
+from instrumented_alloc.selfcost import SelfCost
 
 FIELDS = ("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen")
 # What the prefix cache's owner slot is called wherever a request id would stand (page maps, messages, Free events).
@@ -132,6 +135,7 @@ class KvLedger:
         # ledger (an engine thread writes a request's fields while another thread's call may grow the columns or
         # read the dirty set; the wrapper's calls hold that lock). Reentrant: the observer takes it again.
         self.lock = contextlib.nullcontext()
+        self.cost = SelfCost()  # the wrapper's, once it observes this ledger
         # slot -> a misaligned SWA evicted length an SWA tail allocation implied and the wrapper reported there:
         # the engine's write of that value next is not reported again (one fault, one report).
         self.reported_evicted: dict[int, int] = {}
@@ -311,6 +315,14 @@ class KvLedger:
     def write_protected(self, slot: int, value) -> bool:
         """``protect`` at the checked write point: a rejected value is reported (as any rejected write) and not
         stored, and a value of the wrong type is ``invalid_argument`` (as at ``write``). Returns True when stored."""
+        cost = self.cost
+        cost.start()
+        try:
+            return self._write_protected(slot, value)
+        finally:
+            cost.end_ledger()
+
+    def _write_protected(self, slot: int, value) -> bool:
         with self.lock:
             try:
                 bad = self.protect(slot, value)
@@ -436,8 +448,13 @@ class KvLedger:
     def write(self, slot: int, field: str, value) -> bool:
         """Checked write. Returns True when stored; on a broken rule reports it and keeps the old value. Holds
         ``lock`` throughout (see ``__init__``)."""
-        with self.lock:
-            return self._write(slot, field, value)
+        cost = self.cost
+        cost.start()
+        try:
+            with self.lock:
+                return self._write(slot, field, value)
+        finally:
+            cost.end_ledger()
 
     def _write(self, slot: int, field: str, value) -> bool:
         self.version += 1  # stored or not: whoever caches a fact about the ledger looks again

@@ -59,6 +59,7 @@ from instrumented_alloc.argcheck import (
 )
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
 from instrumented_alloc.ledger import KvLedger
+from instrumented_alloc.selfcost import SelfCost
 from instrumented_alloc.shadow import (
     FREE,
     LedgerSnapshot,
@@ -158,6 +159,36 @@ def _distinct_pages(slots: np.ndarray, ps: int, shift: int, offsets: np.ndarray)
     return sorted_unique(slots >> shift)
 
 
+def _charged(fn: Callable) -> Callable:
+    """An instrumented entry point whose own time (between its calls into the inner allocator, which stop and
+    restart the stretch) is charged to ``checks`` (see ``selfcost``): a clock read in, one out."""
+
+    @functools.wraps(fn)
+    def charged(self, *args, **kwargs):
+        cost = self._w_st.cost
+        cost.start()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            cost.end_checks()
+
+    return charged
+
+
+def _inner_call(cost: SelfCost, method: Callable, index, start_pos=_ABSENT) -> Callable:
+    """``method(index[, start_pos=...])`` as a call of no arguments that stops the wrapper's stretch for the inner's
+    time (see ``_charged``): what the free paths forward."""
+
+    def forward():
+        cost.stop_checks()
+        try:
+            return method(index) if start_pos is _ABSENT else method(index, start_pos=start_pos)
+        finally:
+            cost.start()
+
+    return forward
+
+
 class _CallState:
     """What the per-call paths read and write, on a plain slotted object: a slot is the cheapest attribute there
     is to read and to assign, while the wrapper's own attributes are instance attributes (kept within the 30
@@ -188,6 +219,7 @@ class _CallState:
         "capture_before",
         "clock",
         "consts",
+        "cost",
         "counts",
         "deferred",
         "detached",
@@ -738,6 +770,7 @@ class InstrumentedAllocator:
         snapshot_every: int = 0,
         max_violations: int = 1000,
         allocated_len: str = "pages",
+        cost_clock: Callable[[], float] = time.perf_counter,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -849,6 +882,7 @@ class InstrumentedAllocator:
         st.pending, st.consts, st.steps, st.device = self._w_pending, self._w_consts, self._w_steps, device
         st.deferred, st.host, st.raising, st.need_sort = deferred, self._w_host, self._w_raise, need_sort
         st.off = self._w_off
+        st.cost = ledger.cost = SelfCost(cost_clock)
         st.track_lengths = allocated_len == "pages"
         st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
         st.capture_before = self._w_capture_before
@@ -892,10 +926,22 @@ class InstrumentedAllocator:
     )
 
     @property
+    def cost(self) -> SelfCost:
+        """What this wrapper (and whoever charges it: the SGLang plugin's hooks) costs the engine's thread, by
+        part (``selfcost``); the engine's thread writes it, any thread may read ``cost.totals()``."""
+        return self._w_st.cost
+
+    @property
     def bound_rids(self) -> tuple | None:
         """The request ids the calling thread's ``batch()`` block binds, or None outside one."""
         bound = getattr(self._w_tls, "bound", None)
         return None if bound is None else bound[0]
+
+    @property
+    def bound_slots(self):
+        """The ledger slots of ``bound_rids``, in order (a read-only int64 array), or None outside a ``batch()``."""
+        bound = getattr(self._w_tls, "bound", None)
+        return None if bound is None else bound[1]
 
     @property
     def _w_bound(self):
@@ -949,6 +995,7 @@ class InstrumentedAllocator:
                 return view
         return sub
 
+    @_charged
     def _w_sub_alloc(self, attr: str, pool_name: str, need_size: int):
         """``<attr>.alloc(need_size)`` through its view: forwarded, the pages handed out checked and mirrored as
         held by no request (see ``_PoolView``)."""
@@ -962,8 +1009,12 @@ class InstrumentedAllocator:
             pool = st.pools[pool_name]
             before = pool.entries()
             staged = pool.staged() if st.need_sort else 0
+            st.cost.stop_checks()
             t0 = st.clock()
-            out = pool.allocator.alloc(n)
+            try:
+                out = pool.allocator.alloc(n)
+            finally:
+                st.cost.start()
             dt = st.clock() - t0
             if staged and pool.staged() == 0:
                 # need_sort: an allocation that ran short merged the pool's staged pages into its free list first
@@ -1035,6 +1086,7 @@ class InstrumentedAllocator:
             )
         self._report(pool.shadow.on_alloc(starts // ps, own, None, got // ps, op), pool.name, op)
 
+    @_charged
     def _w_sub_free(self, attr: str, pool_name: str, method: str, index, start_pos):
         """``<attr>.<method>`` (``free``, ``free_segment``, ``free_page_ids``) through its view: checked (the
         pages must be in use; raise mode refuses a host-visible bad free before the call), forwarded, mirrored
@@ -1051,8 +1103,7 @@ class InstrumentedAllocator:
             else:
                 self._segment_args(op, index, start_pos, pool=pool_name)
             pool = st.pools[pool_name]
-            call = getattr(pool.allocator, method)
-            forward = (lambda: call(index)) if start_pos is _ABSENT else (lambda: call(index, start_pos=start_pos))
+            forward = _inner_call(st.cost, getattr(pool.allocator, method), index, start_pos)
             if index.numel() == 0:
                 return forward()
             if method == "free":
@@ -1265,6 +1316,7 @@ class InstrumentedAllocator:
         ``cache_protected_len`` is the engine's to write (``ledger[rid]``)."""
         return _CacheInsert(self, rid, slots)
 
+    @_charged
     def _cache_offer(self, rid, slots):
         """``cache_insert``'s entry, under the lock: the request's slot, the offered slots, the check queued."""
         st = self._w_st
@@ -1317,6 +1369,7 @@ class InstrumentedAllocator:
                 raise
         return slot
 
+    @_charged
     def _cache_take(self, slot: int, held) -> None:
         """``cache_insert``'s exit, under the lock: the pages of ``held`` still owned by ``slot`` pass to the
         prefix cache, in the full pool and through the SWA mapping in the SWA pool."""
@@ -1369,6 +1422,7 @@ class InstrumentedAllocator:
                     self._slot_tier(take, taken_slots)
             self._finish()
 
+    @_charged
     def release_request(self, rid) -> None:
         """The request finished (or was aborted): it must own no pages any more (``request_leak``)."""
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
@@ -1402,6 +1456,7 @@ class InstrumentedAllocator:
             if st.events or st.to_raise or st.want_pages:
                 self._finish()
 
+    @_charged
     def step(self) -> None:
         """A step boundary: deferred checks whose copies are complete, count conservation, the ledger against
         the pages, periodic snapshots. Never waits on the device."""
@@ -1411,6 +1466,8 @@ class InstrumentedAllocator:
         with st.lock:
             st.step += 1
             st.op = "step"
+            cost = st.cost
+            spent = cost.close_iteration()
             pending = st.pending
             if pending:
                 self._drain(wait=False)
@@ -1441,6 +1498,8 @@ class InstrumentedAllocator:
                             st.clock(),
                             st.step,
                             {n: p.shadow.expected_entries for n, p in st.pools.items()},
+                            cost.totals(),
+                            spent,
                         )
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
@@ -1448,6 +1507,7 @@ class InstrumentedAllocator:
             if st.events or st.to_raise:
                 self._finish()
 
+    @_charged
     def flush(self) -> None:
         """Complete every deferred check (waits for outstanding device copies) and the count checks."""
         if self._w_off:
@@ -1458,6 +1518,7 @@ class InstrumentedAllocator:
             self._boundary_checks("flush", every_request=True)
             self._finish()
 
+    @_charged
     def check_consistency(self, *, cached=None, idle: bool = False) -> list[Violation]:
         """A full sweep, for idle time: conservation against the inner's free lists, free-list duplicates,
         pages owned by finished requests, the SWA mapping, the ledger against the pages. May synchronise.
@@ -1565,6 +1626,7 @@ class InstrumentedAllocator:
             self._deliver()
 
     # -- allocation ops ---------------------------------------------------------------------------------------
+    @_charged
     def alloc(self, need_size: int):
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
         with st.lock:
@@ -1582,8 +1644,12 @@ class InstrumentedAllocator:
                     op, ArgumentValueError("lens", f"the bound lens sum to {int(bound[2].sum())}, alloc asks {n}")
                 )
             before = self._entries_before() if st.capture_before else None
+            st.cost.stop_checks()
             t0 = st.clock()
-            out = st.inner.alloc(n)
+            try:
+                out = st.inner.alloc(n)
+            finally:
+                st.cost.start()
             dt = st.clock() - t0
             if st.need_sort:
                 self._after_merge_check(before)
@@ -1656,6 +1722,7 @@ class InstrumentedAllocator:
         args = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens)
         return self._extend("alloc_extend_swa_tail", inner.alloc_extend_swa_tail, args, {}, tail=swa_tail_len)
 
+    @_charged
     def _extend(self, op, call, args, kwargs, *, swa: bool = True, tail=_ABSENT):
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
         with st.lock:
@@ -1704,11 +1771,14 @@ class InstrumentedAllocator:
             else:
                 # _entries_before's two-pool case, inline (an SWA allocator's every extend): free+staged page counts.
                 before = [(p.count(), 0) for p in st.pools.values()]
+            st.cost.stop_checks()
             t0 = st.clock()
             try:
                 out = call(*args, tail, **kwargs) if tail is not _ABSENT else call(*args, **kwargs)
             except ArgumentError as exc:
+                st.cost.start()
                 self._invalid(op, exc)
+            st.cost.start()
             dt = st.clock() - t0
             if st.need_sort:
                 self._after_merge_check(before)
@@ -1902,6 +1972,7 @@ class InstrumentedAllocator:
         if bad:
             self._report(bad, name, op)
 
+    @_charged
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         st = self._w_st  # every read below from it (see _CallState): the wrapper's own attributes are slow
         with st.lock:
@@ -1931,11 +2002,15 @@ class InstrumentedAllocator:
             if fold is not None and fold[0] is not slots:
                 self._flush_fold()  # another batch: the open fold ends before this decode changes any value
             timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
+            cost = st.cost
+            cost.stop_checks()
             t0 = st.clock() if timed else 0.0
             try:
                 out = st.inner.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
             except ArgumentError as exc:
+                cost.start()
                 self._invalid(op, exc)
+            cost.start()
             dt = st.clock() - t0 if timed else 0.0
             allocs = st.want_decode_alloc  # this call's Alloc events are built
             if st.need_sort:  # only need_sort merges (before then holds the staged counts _after_merge_check reads)
@@ -2254,6 +2329,8 @@ class InstrumentedAllocator:
                 return None  # a page owned by another request, free, or reserved
             if slots is not None:
                 st.ledger.committed[slots] = seq
+                if not st.track_lengths:
+                    st.ledger.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
             # The pages already read as own (just compared): no write, and no page delta (see PageUpdate).
             if swa is None:
                 st.roll_key = (key, shadow.version, streak)
@@ -2459,6 +2536,7 @@ class InstrumentedAllocator:
     def free_swa_segment(self, free_index, *, start_pos):
         return self._free_call("free_swa_segment", free_index, start_pos, "_swa_segment_parts")
 
+    @_charged
     def _free_call(self, op: str, index, start_pos, parts_of: str, *, arg: str = "free_index"):
         """Every free op: validate, then forward an empty free untouched, or check and mirror it (``_free``).
         ``parts_of``: the name of the method whose ``(index, op)`` lists what the op frees per pool; None when
@@ -2490,8 +2568,7 @@ class InstrumentedAllocator:
                 result = self._free_fast(st, op, index, start_pos)
                 if result is not _ABSENT:
                     return result
-            method = getattr(st.inner, op)
-            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
+            forward = _inner_call(st.cost, getattr(st.inner, op), index, start_pos)
             if index.numel() == 0:
                 return forward()
             parts = getattr(self, parts_of)(index, op)
@@ -2564,8 +2641,7 @@ class InstrumentedAllocator:
             plans.append((pool, (pages, pages, prev, int(pages.size), dedup)))
         method = getattr(st.inner, op)
         if len(plans) != 1:
-            forward = (lambda: method(index)) if start_pos is _ABSENT else (lambda: method(index, start_pos=start_pos))
-            return self._forward_free(op, forward, plans, st)
+            return self._forward_free(op, _inner_call(st.cost, method, index, start_pos), plans, st)
         # One pool: _forward_free and _apply_frees inlined, the mirror without apply_free's owner tests (done above).
         pool, plan = plans[0]
         # The free list this free releases into: the only one the mirror below changes, so the only count to
@@ -2575,13 +2651,16 @@ class InstrumentedAllocator:
         timed = st.want_free  # the duration is only read by the Free events
         clock = st.clock
         t0 = clock() if timed else 0.0
+        st.cost.stop_checks()
         try:
             result = method(index) if start_pos is _ABSENT else method(index, start_pos=start_pos)
         except BaseException:
+            st.cost.start()
             if available is not None and before != available():
                 self._apply_frees(op, plans, clock() - t0 if timed else 0.0, st)
                 self._deliver()
             raise
+        st.cost.start()
         dt = clock() - t0 if timed else 0.0  # the inner call's alone, as the general path's Free events
         pages, _, prev, n, dedup = plan
         s = prev.item(0)
@@ -2739,6 +2818,7 @@ class InstrumentedAllocator:
             self._w_st.op = op
             return self._validate(op, check_segments, "segments", segments, self._w_device)
 
+    @_charged
     def resize(self, config):
         """Forwarded, then every pool's shadow is rebuilt for the new size (the inner clears itself)."""
         inner = self._w_inner
@@ -2747,7 +2827,11 @@ class InstrumentedAllocator:
             if self._w_st.fold is not None:
                 self._flush_fold()
             self._drain(wait=True)
-            result = inner.resize(config)
+            self._w_st.cost.stop_checks()
+            try:
+                result = inner.resize(config)
+            finally:
+                self._w_st.cost.start()
             led = self._w_st.ledger
             need_sort = self._w_need_sort
             pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_st.pools.items()}
@@ -2769,6 +2853,7 @@ class InstrumentedAllocator:
     def merge_and_sort_free(self):
         return self._forward_then_mirror("merge_and_sort_free", self._merged)
 
+    @_charged
     def _forward_then_mirror(self, name: str, mirror: Callable):
         """Argument-free state transitions: forward, then mirror them in the shadow in call order. A
         ``free_group_end`` that raises (SGLang's post-condition asserts fire inside its free of the held pages) is
@@ -2778,12 +2863,15 @@ class InstrumentedAllocator:
             st.op = name
             pools = st.pools.values()
             before = [p.entries() for p in pools] if name == "free_group_end" else None
+            st.cost.stop_checks()
             try:
                 result = getattr(st.inner, name)()
             except BaseException:
+                st.cost.start()
                 if before is not None:
                     self._group_end_failed(st, frozenset(p.name for p, b in zip(pools, before) if b != p.entries()))
                 raise
+            st.cost.start()
             if st.deferred:
                 self._slot_tier(mirror)  # behind the queued checks
             else:
@@ -2792,6 +2880,7 @@ class InstrumentedAllocator:
                 self._finish()
             return result
 
+    @_charged
     def clear(self):
         inner = self._w_inner
         with self._w_lock:
@@ -2801,7 +2890,11 @@ class InstrumentedAllocator:
             # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
-            result = inner.clear()
+            self._w_st.cost.stop_checks()
+            try:
+                result = inner.clear()
+            finally:
+                self._w_st.cost.start()
             self._cleared()
             self._finish()
             return result
@@ -3808,7 +3901,13 @@ class InstrumentedAllocator:
             self._flush_deltas()
         if st.events:
             batch, st.events = st.events, []
-            st.bus.deliver(batch)
+            cost = st.cost
+            if cost.open:
+                cost.stop_checks()
+                st.bus.deliver(batch)
+                cost.stop_exporters()
+            else:
+                st.bus.deliver(batch)
 
     def _finish(self) -> None:
         """End of a call: hand the events to the sinks, then (raise mode) raise the first violation."""
@@ -3818,7 +3917,13 @@ class InstrumentedAllocator:
             self._flush_deltas()
         if st.events:
             batch, st.events = st.events, []
-            st.bus.deliver(batch)
+            cost = st.cost
+            if cost.open:  # inside a charged call (subscribe() delivers outside one)
+                cost.stop_checks()
+                st.bus.deliver(batch)
+                cost.stop_exporters()
+            else:
+                st.bus.deliver(batch)
         to_raise = st.to_raise
         if to_raise:
             first = to_raise[0]

@@ -18,6 +18,7 @@ import pytest
 
 from exporters.recorder import Recording
 from instrumented_alloc import cli
+from instrumented_alloc.events import CLOCK_FIELDS
 from instrumented_alloc.sim import FAULTS, PRESETS
 from tests.ctrl_c import restore_sigint
 from tests.exporters.test_recorder import damaged
@@ -212,7 +213,7 @@ def test_raise_mode_stops_with_the_violation_and_records_it(tmp_path):
 def _events(path):
     out = []
     for e in Recording(path).events():
-        d = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("ts", "duration")}
+        d = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in CLOCK_FIELDS}
         if "violation" in d:
             d["violation"] = dataclasses.replace(d["violation"], ts=0.0)
         out.append((type(e).__name__, {k: v.tolist() if hasattr(v, "tolist") else v for k, v in d.items()}))

@@ -713,7 +713,8 @@ def _decode_allocs(events) -> list:
 
 
 def _strip(es, *, skip_decode_allocs=False) -> list:
-    """Events without seq/ts/duration (clock readings), arrays as lists: what two runs of ``_churn`` must agree on."""
+    """Events without seq and their clock readings (``CLOCK_FIELDS``), arrays as lists: what two runs of ``_churn``
+    must agree on."""
     return [
         (
             type(e).__name__,
@@ -721,7 +722,7 @@ def _strip(es, *, skip_decode_allocs=False) -> list:
             *[
                 (v.tolist() if isinstance(v, np.ndarray) else v)
                 for k, v in vars(e).items()
-                if k not in ("seq", "ts", "duration")
+                if k != "seq" and k not in ev.CLOCK_FIELDS
             ],
         )
         for e in es

@@ -17,7 +17,7 @@ from instrumented_alloc.allocators import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from instrumented_alloc.events import PageUpdate
+from instrumented_alloc.events import CLOCK_FIELDS, PageUpdate
 from instrumented_alloc.invariants import InvariantViolation
 from instrumented_alloc.shadow import PoolShadow
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
@@ -961,7 +961,7 @@ def _events(scenario, monkeypatch, roll: bool):
         scenario("immediate").flush()
     out = []
     for e in got:
-        fields = {k: v for k, v in vars(e).items() if k not in ("ts", "duration")}
+        fields = {k: v for k, v in vars(e).items() if k not in CLOCK_FIELDS}
         if "violation" in fields:
             v = fields["violation"]
             fields["violation"] = (v.invariant, v.message, v.rid, v.pool, v.op, v.step)

@@ -52,6 +52,6 @@ def register(*, attach_sinks=None) -> None:
     session.start(cfg, attach_sinks=attach_sinks)
     try:
         extra = faults.hooks(cfg.inject) + (probe.hooks(probe_path) if probe_path else ())
-        hooks.install(extra=extra)
+        hooks.install(extra=extra, route=cfg.ledger == "immediate")
     except (hooks.HookError, faults.FaultError) as exc:
         raise PluginError(str(exc)) from None

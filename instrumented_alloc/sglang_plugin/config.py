@@ -7,6 +7,9 @@
   when SGLang's own ``/metrics`` is off (``--enable-metrics`` unset); ``KVALLOC_METRICS_ADDR`` (127.0.0.1).
 - ``KVALLOC_SWEEP_INTERVAL``: the least number of seconds between two consistency sweeps, which run when the
   scheduler is idle after some activity (default 1).
+- ``KVALLOC_LEDGER``: how SGLang's writes of a request's KV lengths are checked: ``deferred`` (record mode's
+  default: verified together at each scheduler iteration's boundary, nothing added per write) or ``immediate``
+  (each write as it is made; raise mode's only way, so that a rejected value raises before SGLang stores it).
 - ``KVALLOC_INJECT``: faults to inject through test-only hooks (``faults.py``), comma-separated.
 
 Pure: reads only the mapping it is given.
@@ -19,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 MODES = ("record", "raise")
+LEDGER = ("deferred", "immediate")
 INERT = ("", "off")
 SUPPORTED_SGLANG = "0.5.23"
 
@@ -35,6 +39,7 @@ class Config:
     metrics_addr: str = "127.0.0.1"
     sweep_interval: float = 1.0
     inject: tuple[str, ...] = ()
+    ledger: str = "deferred"
 
 
 def seconds(text: str) -> float | None:
@@ -68,6 +73,14 @@ def from_env(env: Mapping[str, str]) -> Config | None:
         sweep = seconds(interval)
         if sweep is None:
             raise ConfigError(f"KVALLOC_SWEEP_INTERVAL={interval!r}: expected a number of seconds >= 0")
+    ledger = env.get("KVALLOC_LEDGER", "").strip().lower() or ("immediate" if mode == "raise" else "deferred")
+    if ledger not in LEDGER:
+        raise ConfigError(f"KVALLOC_LEDGER={env.get('KVALLOC_LEDGER')!r}: expected one of {', '.join(LEDGER)}")
+    if mode == "raise" and ledger != "immediate":
+        raise ConfigError(
+            f"KVALLOC_LEDGER={env.get('KVALLOC_LEDGER')!r} with KVALLOC_MODE=raise: raise mode refuses a bad "
+            "length as SGLang writes it, which needs immediate (the default there)"
+        )
     record_dir = env.get("KVALLOC_RECORD_DIR", "").strip() or None
     inject = tuple(x.strip() for x in env.get("KVALLOC_INJECT", "").split(",") if x.strip())
     return Config(
@@ -77,4 +90,5 @@ def from_env(env: Mapping[str, str]) -> Config | None:
         metrics_addr=env.get("KVALLOC_METRICS_ADDR", "").strip() or "127.0.0.1",
         sweep_interval=sweep,
         inject=inject,
+        ledger=ledger,
     )

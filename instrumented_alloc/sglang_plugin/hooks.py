@@ -9,7 +9,7 @@ anything else stops the process at start (``HookError``), never a half-instrumen
 | build | ``KVCacheConfigurator.configure`` | after: the allocator in its result is wrapped |
 | attach | ``kv_cache_builder.build_kv_cache`` | after: the scheduler's tree cache, request rows, window, exporters |
 | extend | ``allocation.alloc_for_extend`` | around: the batch's requests bound, their protected prefixes given |
-| decode | ``allocation.alloc_for_decode`` | around: bound |
+| decode | ``allocation.alloc_for_decode`` | around: bound (deferred ledger: the batch's records verified after) |
 | speculative | ``allocation.alloc_for_spec_decode`` | around: bound |
 | PD decode prealloc | ``decode.alloc_for_decode_prealloc`` and ``..._hisparse`` | around: bound |
 | release | ``common.release_kv_cache``; ``DecodeKVCacheOffloadManager._release_finished_req`` | around: released |
@@ -17,8 +17,9 @@ anything else stops the process at start (``HookError``), never a half-instrumen
 | step | ``Scheduler.ingest_requests`` | before: one step per iteration that did work |
 | idle sweep | ``Scheduler.on_idle`` | after: ``check_consistency()``, rate-limited |
 
-Not through the registry (it hooks callables): ``ReqKvInfo``'s length fields (``kvrecord.py``) and the tree
-cache's ``checkpoint``, wrapped on the scheduler's own tree instance at attach (its class varies with the cache).
+Not through the registry (it hooks callables): ``ReqKvInfo``'s length fields (``kvrecord.py``; an immediate ledger
+only) and the tree cache's ``checkpoint``, wrapped on the scheduler's own tree instance at attach (its class varies
+with the cache).
 """
 
 from __future__ import annotations
@@ -62,18 +63,33 @@ def _after_build(result, *args, **kwargs):
     return None
 
 
-def _bound(sess, reqs, call, lens=None, *, protect: bool = False):
-    """``call()`` with the allocator bound to ``reqs`` (in batch order), unless another hook already bound it;
-    ``protect``: first give the wrapper each request's protected prefix (``Session.protect``)."""
+def _bound(sess, reqs, call, lens=None, *, fresh: bool = True):
+    """``call()`` with the allocator bound to ``reqs`` (in batch order), unless another hook already bound it.
+    ``fresh`` (an extend, a preallocation): the requests' records are named (``Session.bind_records``) and each
+    request's protected prefix given to the wrapper first (``Session.protect``). Deferred ledger: the batch's
+    records are verified after the call (``Session.verify``), SGLang's writes in it included."""
     alloc = sess.alloc
     if alloc.bound_rids is not None:
         return call()
-    rids = sess.bind_records(reqs)
-    with alloc.batch(rids, lens=lens):
-        if protect:
-            sess.protect(reqs)
-        out = call()
-    sess.active = True
+    cost = alloc.cost
+    cost.start()
+    try:
+        rids = sess.bind_records(reqs, fresh=fresh)
+        with alloc.batch(rids, lens=lens):
+            if fresh:
+                sess.protect(reqs)
+            slots = alloc.bound_slots
+            cost.stop_hooks()
+            try:
+                out = call()
+            finally:
+                cost.start()
+        if sess.deferred:
+            cost.stop_hooks()
+            sess.verify(reqs, slots, protected=fresh)
+        sess.active = True
+    finally:
+        cost.end_hooks()
     return out
 
 
@@ -83,7 +99,7 @@ def _around_extend(original, batch, *args, **kwargs):
         return original(batch, *args, **kwargs)
     # Page size 1 allocates with alloc(extend_num_tokens): each request's share is its extend length.
     lens = [int(x) for x in batch.extend_lens] if sess.alloc.page_size == 1 else None
-    return _bound(sess, list(batch.reqs), lambda: original(batch, *args, **kwargs), lens, protect=True)
+    return _bound(sess, list(batch.reqs), lambda: original(batch, *args, **kwargs), lens)
 
 
 def _around_decode(original, batch, token_per_req, *args, **kwargs):
@@ -92,7 +108,7 @@ def _around_decode(original, batch, token_per_req, *args, **kwargs):
         return original(batch, token_per_req, *args, **kwargs)
     reqs = list(batch.reqs)
     lens = [int(token_per_req)] * len(reqs) if sess.alloc.page_size == 1 and token_per_req != 1 else None
-    return _bound(sess, reqs, lambda: original(batch, token_per_req, *args, **kwargs), lens)
+    return _bound(sess, reqs, lambda: original(batch, token_per_req, *args, **kwargs), lens, fresh=False)
 
 
 def _around_spec(original, tree_cache, req_to_token_pool, *args, **kwargs):
@@ -104,7 +120,7 @@ def _around_spec(original, tree_cache, req_to_token_pool, *args, **kwargs):
     if sess.alloc.page_size == 1:
         nxt, cur = kwargs["nxt_kv_lens_cpu"].tolist(), kwargs["cur_kv_lens_cpu"].tolist()
         lens = [int(a) - int(b) for a, b in zip(nxt, cur)]
-    return _bound(sess, reqs, lambda: original(tree_cache, req_to_token_pool, *args, **kwargs), lens)
+    return _bound(sess, reqs, lambda: original(tree_cache, req_to_token_pool, *args, **kwargs), lens, fresh=False)
 
 
 def _around_prealloc(original, allocator, *args, **kwargs):
@@ -188,10 +204,12 @@ def _wraps(fn, original) -> bool:
     return fn is original
 
 
-def install(extra=()) -> None:
-    """Register every hook (and ``extra``: more (target, type, hook)), apply them, and verify that each took; route
-    the request record's fields."""
+def install(extra=(), *, route: bool = True) -> None:
+    """Register every hook (and ``extra``: more (target, type, hook)), apply them, and verify that each took;
+    ``route``: route the request record's fields (an immediate ledger, see ``Session``)."""
     apply((*hook_table(), *extra))
+    if not route:
+        return
     from sglang.srt.managers.schedule_batch import ReqKvInfo
 
     kvrecord.route(ReqKvInfo)

@@ -8,7 +8,13 @@ checkpoint, the SWA evicted length's writer, the start of each scheduler iterati
 registered after the plugin's own hooks, so they wrap them: a wrapped function's time includes the plugin's work
 in it. ``run_batch`` calls are counted (one per scheduler iteration that ran a batch). Whenever the scheduler goes
 idle after work (and at exit) the totals go to ``PATH`` as JSON (``{"pid", "seconds": {target: s}, "calls":
-{target: n}, "iterations": n}``), one file per scheduler process (``PATH`` gets ``.<pid>`` appended).
+{target: n}, "iterations": n, "self_cost": {"iterations": n, "seconds": {part: s}} or null,
+"self_cost_per_iteration": [[s per part], ...]}``: the wrapper's own accounting, see ``selfcost``, in total and
+from each ``run_batch`` call to the next), one file per scheduler process (``PATH`` gets ``.<pid>`` appended).
+
+With ``KVALLOC_PROBE_PROFILE=K[,K...]`` it also profiles whole scheduler iterations with ``cProfile``: from the
+K-th ``run_batch`` call (1-based) to the next one, written as ``PATH.<pid>.iter<K>.pstats`` (deterministic
+profiling inflates every call; read it for where the time goes, not for how much).
 
 What it does not see: writes of a request's KV record made outside these functions (SGLang's speculative
 accepts), and the exporters' threads (they run off the scheduler's thread).
@@ -17,6 +23,8 @@ accepts), and the exporters' threads (they run off the scheduler's thread).
 from __future__ import annotations
 
 import atexit
+import cProfile
+import itertools
 import json
 import os
 import time
@@ -39,8 +47,11 @@ IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 class Probe:
-    def __init__(self, path: str, clock=time.perf_counter):
+    def __init__(self, path: str, clock=time.perf_counter, profile=()):
         self.path = path
+        self.profile = frozenset(profile)  # the iterations to profile (see the module docstring)
+        self.profiler = None
+        self.cost_marks: list = []  # the self-cost totals at each run_batch call (see write)
         self.clock = clock
         self.seconds = dict.fromkeys((*TIMED, STEP), 0.0)
         self.calls = dict.fromkeys((*TIMED, STEP), 0)
@@ -62,8 +73,18 @@ class Probe:
         return around
 
     def counted(self, original, *args, **kwargs):
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(f"{self.path}.{os.getpid()}.iter{self.iterations}.pstats")
+            self.profiler = None
         self.iterations += 1
         self.scheduler = True
+        sess = _session()
+        if sess is not None and sess.alloc is not None:
+            self.cost_marks.append(sess.alloc.cost.totals())
+        if self.iterations in self.profile:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
         return original(*args, **kwargs)
 
     def idle(self, original, *args, **kwargs):
@@ -76,10 +97,19 @@ class Probe:
         if not self.scheduler:
             return
         self.written = self.iterations
+        sess = _session()
+        cost = sess.alloc.cost.as_dict() if sess is not None and sess.alloc is not None else None
+        doc = {"pid": os.getpid(), "seconds": self.seconds, "calls": self.calls, "iterations": self.iterations}
+        marks = self.cost_marks
+        per_iteration = [[y - x for x, y in zip(a, b)] for a, b in itertools.pairwise(marks)]
         with open(f"{self.path}.{os.getpid()}", "w", encoding="utf-8") as f:
-            json.dump(
-                {"pid": os.getpid(), "seconds": self.seconds, "calls": self.calls, "iterations": self.iterations}, f
-            )
+            json.dump({**doc, "self_cost": cost, "self_cost_per_iteration": per_iteration}, f)
+
+
+def _session():
+    from instrumented_alloc.sglang_plugin import session
+
+    return session.current()
 
 
 def hooks(path: str) -> tuple:
@@ -87,7 +117,8 @@ def hooks(path: str) -> tuple:
     registry with the plugin's own, after them (SGLang's registry applies a target's hooks once)."""
     from instrumented_alloc.sglang_plugin.session import Session
 
-    probe = Probe(path)
+    profile = os.environ.get("KVALLOC_PROBE_PROFILE", "")
+    probe = Probe(path, profile=[int(k) for k in profile.split(",") if k.strip()])
     atexit.register(probe.write)
     step, timed = Session.step, probe.timed(STEP)
     Session.step = lambda self: timed(step, self)

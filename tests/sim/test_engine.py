@@ -130,8 +130,8 @@ def test_unarmed_fault_step_is_picked_by_the_seed_while_there_is_traffic():
 
 
 def _strip(e):
-    """An event as comparable plain data, without its wall-clock fields (timestamps and call durations)."""
-    d = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ("ts", "duration")}
+    """An event as comparable plain data, without its wall-clock fields (timestamps, call durations, self-cost)."""
+    d = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in ev.CLOCK_FIELDS}
     if "violation" in d:
         d["violation"] = dataclasses.replace(d["violation"], ts=0.0)
     return type(e).__name__, {k: v.tolist() if hasattr(v, "tolist") else v for k, v in d.items()}
