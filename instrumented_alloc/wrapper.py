@@ -308,14 +308,15 @@ def _state_property(field: str, doc: str) -> property:
 
 
 class _DecodeRun:
-    """What the decode fast path knows after a decode in which every request of the batch opened a page (a batch
-    in step: the same length, or a single request), so that the next ``ps - 1`` decodes of the same requests can
-    be verified by two comparisons instead of reading the pages again.
+    """What the decode fast path knows after a verified decode of a batch in step (every request at the same
+    offset ``a`` of its page: the same length, or a single request), either one in which every request opened a
+    page (``a`` = 0) or one mid-page that no run vouched for, so that the next ``ps - 1 - a`` decodes of the same
+    requests can be verified by two comparisons instead of reading the pages again.
 
     Invariant (established by a verified call, kept while ``shadow.version`` and ``ledger.version`` are those
     recorded): the batch's pages read their requests' codes (-1 for an unattributed batch), and the opening call's
-    slots and lengths sat at offset 0 of those pages. The k-th decode verified
-    after it (k < ps) whose slots are exactly the opening ones + k and whose lengths are exactly the opening
+    slots and lengths sat at offset ``a`` of those pages. The k-th decode verified
+    after it (k < ps - a) whose slots are exactly the opening ones + k and whose lengths are exactly the opening
     ones + k (row k - 1 of ``o_rows`` and ``seq_rows``) then passes every check of the general path: each slot
     continues its request's own page at its position's offset, and no request opens a page. Any change of the
     pages' owners (a free, an allocation, clear, resize) or of the ledger (a checked write, a release)
@@ -2334,6 +2335,21 @@ class InstrumentedAllocator:
             # The pages already read as own (just compared): no write, and no page delta (see PageUpdate).
             if swa is None:
                 st.roll_key = (key, shadow.version, streak)
+                a = at.item(0)
+                rows = st.ps - 1 - a
+                if rows and not np.count_nonzero(at != a):
+                    # A batch in step mid-page (every request at offset a; reached when no run vouched for the
+                    # call: the prefix cache's transfers or a release spent it): its next decodes up to the pages'
+                    # end are a run of their own, as after an opening call (see _DecodeRun).
+                    steps = st.steps[:rows]
+                    st.run = _DecodeRun(
+                        shadow,
+                        st.ledger.version,
+                        None if slots is None else slots.tobytes(),
+                        (o + steps).tobytes(),
+                        (seq + steps).tobytes(),
+                        o.nbytes,
+                    )
             return 0
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).

@@ -608,13 +608,18 @@ def test_decode_run_is_dropped_by_any_change_between_decodes(between, request):
     assert left == PS - 2
     between(w, batch, other)
     n = len(w.violations)
+    spent = w._w_run
     with w.batch([r.rid for r in batch]):
         w.alloc_decode(*decode_args(batch))  # exactly what the run expects, but it no longer vouches for it
-    assert _run_left(w) == left  # the full check ran
     if request.node.callspec.id != "clear":
-        assert len(w.violations) == n  # and found nothing: the batch's pages are untouched
+        assert len(w.violations) == n  # the full check found nothing: the batch's pages are untouched
+        # ... and, the batch being in step mid-page, made a run of its own from there to the pages' end (the
+        # spent one never advanced: it vouched for nothing).
+        assert w._w_run is not spent and _run_left(w) == left - 1
+        assert spent.end == spent.row * 2
     else:
         assert len(w.violations) == n + 1
+        assert w._w_run is spent and _run_left(w) == left  # the full check ran, and built nothing
 
 
 def test_decode_run_is_per_pool_shadow():
