@@ -64,8 +64,13 @@ def main(argv=None) -> str:
     section("memory", bench_scale.memory_rows)
     section("rss", lambda: bench_engine.rss_rows(quick=args.quick))
     # SGLang's real Engine, bare vs the plugin on (benchmarks/bench_sglang.py; 3 pairs of Engine starts per
-    # configuration; --quick: the record configuration only).
-    section("sglang", lambda: bench_sglang.rows(configs=("record",) if args.quick else bench_sglang.CONFIGS))
+    # configuration; --quick: the record configuration at batch 64 only).
+    section(
+        "sglang",
+        lambda: bench_sglang.rows(configs=("record",), batches=(64,))
+        if args.quick
+        else bench_sglang.rows(configs=bench_sglang.CONFIGS),
+    )
     title = (
         f"python -m benchmarks{' --quick' if args.quick else ''} --repeats {args.repeats} --clock {args.clock}: "
         f"ratios (memory rows: bytes), median of {args.repeats} runs; torch {torch.__version__}, 1 thread; "

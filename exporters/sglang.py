@@ -186,6 +186,8 @@ def _attach_recorder(sess, labels: dict, model_path) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         meta = run_meta(labels, model_path)
+        # How this rank checks: what an incident reviewer reads the violations by.
+        meta["ledger_checks"] = sess.cfg.ledger
         if sess.errors:
             meta["exporters_failed"] = dict(sess.errors)  # what this rank runs without, for whoever reads it
         rec = FlightRecorder(sess.alloc, path, meta=meta, overwrite=True)

@@ -33,7 +33,7 @@ PARTS = ("hooks", "ledger", "checks", "exporters")
 
 
 class SelfCost:
-    __slots__ = ("checks", "clock", "exporters", "hooks", "iterations", "ledger", "mark", "open", "since")
+    __slots__ = ("aside", "checks", "clock", "exporters", "hooks", "iterations", "ledger", "mark", "open", "since")
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -44,6 +44,7 @@ class SelfCost:
         self.hooks = self.ledger = self.checks = self.exporters = 0.0
         self.iterations = 0
         self.mark = 0.0  # the total at the last close_iteration()
+        self.aside = 0.0  # the seconds set aside (see set_aside): in the totals, in no iteration
 
     def start(self) -> None:
         self.since = self.clock()
@@ -98,8 +99,10 @@ class SelfCost:
     def set_aside(self) -> None:
         """What was charged since the last iteration's end belongs to no iteration (an idle sweep): it stays in the
         totals and is left out of the next ``close_iteration()``."""
-        self.mark = self.hooks + self.ledger + self.checks + self.exporters
+        total = self.hooks + self.ledger + self.checks + self.exporters
+        self.aside += total - self.mark
+        self.mark = total
 
     def as_dict(self) -> dict:
-        """``{"iterations": n, "seconds": {part: s}}``: what reports and tests read."""
-        return {"iterations": self.iterations, "seconds": dict(zip(PARTS, self.totals()))}
+        """``{"iterations": n, "seconds": {part: s}, "aside": s}``: what reports and tests read."""
+        return {"iterations": self.iterations, "seconds": dict(zip(PARTS, self.totals())), "aside": self.aside}

@@ -134,3 +134,34 @@ def test_an_unknown_fault_is_refused():
         .splitlines()[-1]
         .startswith("instrumented-alloc: KVALLOC_INJECT: unknown faults bogus (known: leak, no-release, ")
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVALLOC_MODE": "record", "KVALLOC_LEDGER": "later"},
+         "instrumented-alloc: KVALLOC_LEDGER='later': expected one of deferred, immediate"),
+        ({"KVALLOC_MODE": "raise", "KVALLOC_LEDGER": "deferred"},
+         "instrumented-alloc: KVALLOC_LEDGER='deferred' with KVALLOC_MODE=raise: raise mode refuses a bad length as "
+         "SGLang writes it, which needs immediate (the default there)"),
+    ],
+    ids=["unknown", "raise-deferred"],
+)  # fmt: skip
+def test_a_ledger_setting_the_mode_cannot_run_with_is_refused(env, message):
+    out = python("from sglang.srt.plugins import load_plugins\nload_plugins()\nprint('LOADED')\n", **env)
+    assert out.returncode == 1 and "LOADED" not in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == message
+
+
+def test_record_mode_leaves_sglangs_length_writes_unrouted_unless_immediate():
+    code = """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from instrumented_alloc.sglang_plugin import kvrecord, session
+        field = type(ReqKvInfo.__dict__["kv_allocated_len"]).__name__
+        print(session.current().deferred, kvrecord.routed(ReqKvInfo), field)
+        """
+    assert python(code, KVALLOC_MODE="record").stdout.split() == ["True", "False", "member_descriptor"]
+    immediate = python(code, KVALLOC_MODE="record", KVALLOC_LEDGER="immediate")
+    assert immediate.stdout.split() == ["False", "True", "property"]

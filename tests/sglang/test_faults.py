@@ -4,7 +4,10 @@ clean requests beside it stay clean. SGLang's own idle check, strict off, only l
 
 Two Engine starts (hybrid SWA model, page size 16, radix cache on): one for the leaks and the seed's misaligned
 SWA evicted length (last: SGLang's SWA tree fails on the misaligned value it stored, which ends that engine), one
-for the prefix cache handed the same pages twice and a double free (last: it corrupts SGLang's free list)."""
+for the prefix cache handed the same pages twice and a double free (last: it corrupts SGLang's free list). Record
+mode verifies SGLang's writes of a request's KV lengths together, after each allocation (``KVALLOC_LEDGER``'s
+default, deferred); the same two runs with each write checked as it is made (immediate) must report the same
+violations: two Engine starts more."""
 
 from __future__ import annotations
 
@@ -31,26 +34,44 @@ def fault(name: str, seed: int) -> dict:
     return {"kind": "fault", "fault": name, "seed": seed, "n": 3, "prefix": 40, "new_tokens": 60}
 
 
-@pytest.fixture(scope="module")
-def leaks(tmp_path_factory):
+def _leaks(tmp_path_factory, ledger: str) -> harness.Run:
     return harness.run(
-        tmp_path_factory.mktemp("leaks"),
+        tmp_path_factory.mktemp(f"leaks-{ledger}"),
         model="swa",
         engine=ENGINE,
-        env={**ENV, "KVALLOC_INJECT": "leak,no-release,swa-misaligned"},
+        env={**ENV, "KVALLOC_INJECT": "leak,no-release,swa-misaligned", "KVALLOC_LEDGER": ledger},
         workloads=[fault("leak", 1), IDLE, fault("no-release", 2), IDLE, fault("swa-misaligned", 3), IDLE],
     )
 
 
-@pytest.fixture(scope="module")
-def frees(tmp_path_factory):
+def _frees(tmp_path_factory, ledger: str) -> harness.Run:
     return harness.run(
-        tmp_path_factory.mktemp("frees"),
+        tmp_path_factory.mktemp(f"frees-{ledger}"),
         model="swa",
         engine=ENGINE,
-        env={**ENV, "KVALLOC_INJECT": "cache-twice,double-free"},
+        env={**ENV, "KVALLOC_INJECT": "cache-twice,double-free", "KVALLOC_LEDGER": ledger},
         workloads=[fault("cache-twice", 4), IDLE, fault("double-free", 5), IDLE],
     )
+
+
+@pytest.fixture(scope="module")
+def leaks(tmp_path_factory):
+    return _leaks(tmp_path_factory, "deferred")
+
+
+@pytest.fixture(scope="module")
+def frees(tmp_path_factory):
+    return _frees(tmp_path_factory, "deferred")
+
+
+@pytest.fixture(scope="module")
+def leaks_immediate(tmp_path_factory):
+    return _leaks(tmp_path_factory, "immediate")
+
+
+@pytest.fixture(scope="module")
+def frees_immediate(tmp_path_factory):
+    return _frees(tmp_path_factory, "immediate")
 
 
 def first_violation_of(rec, rid):
@@ -139,3 +160,20 @@ def test_every_fault_expects_the_id_it_is_reported_with():
         "swa-misaligned": "swa_evicted_seqlen_page_aligned",
         "prealloc-tail": "swa_evicted_seqlen_page_aligned",
     }
+
+
+@pytest.mark.parametrize("name", ["leaks", "frees"])
+def test_deferred_verification_reports_what_immediate_verification_reports(name, request):
+    deferred, immediate = request.getfixturevalue(name), request.getfixturevalue(f"{name}_immediate")
+    assert deferred.recording.meta["ledger_checks"] == "deferred"
+    assert immediate.recording.meta["ledger_checks"] == "immediate"
+
+    def found(run) -> list:
+        return sorted({(v.invariant, str(v.rid), v.op) for v in run.recording.violations()})
+
+    # The same seeds, so the same request ids; every fault found, by both, with the same ids.
+    assert found(deferred) == found(immediate), (harness.describe(deferred), harness.describe(immediate))
+    targets = [w["target"] for w in deferred.results["workloads"] if w["kind"] == "fault"]
+    faults = {f for f in FAULTS for t in targets if t.startswith(f"inject-{f}-")}
+    assert len(faults) == len(targets) == (3 if name == "leaks" else 2)
+    assert {inv for inv, rid, _ in found(deferred) if rid.startswith("inject-")} == {FAULTS[f] for f in faults}

@@ -216,6 +216,33 @@ def test_kvalloc_metrics_join_sglangs_metrics_for_both_ranks(server, served):
             assert mine[("full", "free")] * 16 == available[rank], (mine, available)
 
 
+def test_each_ranks_self_cost_joins_sglangs_metrics_as_its_recording_has_it(server, served):
+    from exporters.recorder import Recording
+    from instrumented_alloc.events import StepBoundary
+    from instrumented_alloc.selfcost import PARTS
+
+    text = server.metrics()
+    cost = samples(text, "kvalloc_overhead_seconds_total")
+    iterations = {s["tp_rank"]: v for s, v in samples(text, "kvalloc_overhead_iteration_seconds_count")}
+    spent = {s["tp_rank"]: v for s, v in samples(text, "kvalloc_overhead_iteration_seconds_sum")}
+    for rank, path in enumerate(sorted(server.record_dir.glob("*.sqlite"))):
+        mine = {s["part"]: v for s, v in cost if s["tp_rank"] == str(rank)}
+        assert sorted(mine) == sorted(PARTS), text[:3000]
+        # Every scheduler iteration of the traffic was charged: the hooks, the checks, the exporters.
+        assert mine["hooks"] > 0 and mine["checks"] > 0 and mine["exporters"] > 0, mine
+        assert iterations[str(rank)] > 10
+        # The counters hold what the rank's last step boundary carried, which its recording has too.
+        rec = Recording(path)
+        last = None
+        for last in rec.events(kinds=[StepBoundary]):  # noqa: B007 (the last one)
+            pass
+        rec.close()
+        assert last is not None and len(last.overhead) == len(PARTS)
+        assert [mine[p] for p in PARTS] == pytest.approx(list(last.overhead), rel=1e-9), (mine, last)
+        # The iterations' observations add up to the total, less the idle sweeps (which are no iteration's).
+        assert 0 < spent[str(rank)] <= sum(mine.values())
+
+
 def test_each_rank_has_its_recording_and_the_metrics_equal_its_allocator(server, served):
     from dashboard.views import run_identity
     from exporters.recorder import Recording
