@@ -1,4 +1,5 @@
-"""The Streamlit app: Live (follow a recording being written) and Incident review (a step, its page map, the
+"""The Streamlit app: Live (follow a recording being written: its counts, the instrumentation's own cost per
+iteration, occupancy, fragmentation, the newest state and violations) and Incident review (a step, its page map, the
 violations, one request's lifeline), of one recording or of several side by side (one column each: per-rank
 recordings of one run, each headed by its engine and rank from the run metadata). Layout only: the data comes
 from ``dashboard.data``, every figure from the pure functions of ``dashboard.views`` and ``dashboard.pagemap``.
@@ -122,6 +123,7 @@ def _live(rec, name: str) -> None:
     c[2].metric("violations", ov.violations)
     # A file without an end is being written or was cut off by a crash: the file alone cannot tell which.
     c[3].metric("recording", "finished" if ov.finished else "open", help="open: being written, or cut off by a crash")
+    _self_cost(rec, ov)
     st.markdown(f"**{ov.violations} violations** so far")
     series = rec.step_series(max_points=500)
     st.subheader("Pages in use per pool")
@@ -156,6 +158,17 @@ def _live(rec, name: str) -> None:
         st.caption(f"the newest {len(vs)} of {ov.violations:,} (Incident review lists them all)")
     st.dataframe(views.violation_rows(vs), hide_index=True)
     _page_maps(rec, ov, state, vs, ov.last)
+
+
+def _self_cost(rec, ov: data.Overview) -> None:
+    """The instrumentation's own cost over the newest iterations: one row of figures, then what they cover."""
+    sc = data.self_cost(rec, ov.last)
+    st.markdown(f"**Instrumentation self-cost**, newest {data.SELF_COST_STEPS} steps")
+    figures = views.self_cost_metrics(sc)
+    for row in (figures[:3], figures[3:]):  # the totals, then one per part (narrow columns beside other ranks)
+        for col, (label, value, why) in zip(st.columns(len(row)), row):
+            col.metric(label, value, help=why)
+    st.caption(views.self_cost_caption(sc, data.SELF_COST_STEPS))
 
 
 # -- incident review -----------------------------------------------------------------------------------------------

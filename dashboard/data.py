@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 from exporters.recorder import Recording, RecordingError
 from instrumented_alloc import replay
 from instrumented_alloc.replay import IncompleteHistory, ReplayState
+from instrumented_alloc.selfcost import PARTS
 
 SUFFIXES = (".sqlite", ".sqlite3", ".db", ".rec")
 LIFELINE_KINDS = (
@@ -36,6 +38,7 @@ LIFELINE_KINDS = (
 # The event kinds that change a replayed state (replay.py's contract).
 STATE_KINDS = ("PageUpdate", "LedgerUpdate", "LedgerWrite", "RequestReleased", "StepBoundary", "EventsLost")
 LIFELINE_MAX_STEPS = 5000  # a request's lifeline reads at most this many steps of events (the newest)
+SELF_COST_STEPS = 200  # the live view's self-cost: over the newest this many steps (scheduler iterations)
 
 
 class DashboardInputError(ValueError):
@@ -245,6 +248,66 @@ def request_history(
     return events, start_ledger, lo, hi
 
 
+@dataclass(frozen=True)
+class SelfCostWindow:
+    """What the instrumentation cost the engine's thread over a recording's newest iterations (``self_cost``).
+
+    ``recorded``: whether the step boundaries carry the self-cost (False for a recording made before they did:
+    "not recorded", every figure None). ``first``, ``last``: the steps of the oldest and newest boundary of the
+    window that carry it; ``iterations``: ``last - first`` (each step boundary closes one scheduler iteration, so
+    boundaries lost from the recording do not shorten it); 0 with fewer than two such boundaries (every figure
+    None). ``seconds``: the recording's clock from the oldest boundary to the newest. ``per_iteration``: part
+    (``selfcost.PARTS``, in order) -> host seconds per iteration: the part's cumulative seconds at the newest
+    boundary minus at the oldest, over ``iterations`` (what ``kvalloc_overhead_seconds_total`` over the iteration
+    count gives in Grafana; time charged outside any iteration, an idle sweep's, is included). ``total``: their
+    sum. ``iterations_per_second``: ``iterations / seconds``. ``p50``, ``p99``: of the newer boundaries'
+    ``iteration_seconds`` (one per iteration of the window; nearest rank: an iteration's own value)."""
+
+    recorded: bool
+    first: int | None = None
+    last: int | None = None
+    iterations: int = 0
+    seconds: float | None = None
+    per_iteration: dict | None = None
+    total: float | None = None
+    iterations_per_second: float | None = None
+    p50: float | None = None
+    p99: float | None = None
+
+
+def _nearest_rank(sorted_values: list, q: float) -> float:
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def self_cost(rec: Recording, last: int, steps: int = SELF_COST_STEPS) -> SelfCostWindow:
+    """The self-cost over steps ``last - steps .. last`` (``last``: the recording's newest step, ``Overview.last``),
+    from the step boundaries there alone: reads the events of that step range only (``Recording.events`` with a
+    step range and the boundary kind), however long the recording."""
+    boundaries = list(rec.events(start=max(0, last - steps), stop=last + 1, kinds=("StepBoundary",)))
+    if boundaries and not any(b.overhead for b in boundaries):
+        return SelfCostWindow(recorded=False)
+    boundaries = [b for b in boundaries if len(b.overhead) == len(PARTS)]
+    if len(boundaries) < 2 or boundaries[-1].step <= boundaries[0].step:
+        return SelfCostWindow(recorded=True)
+    old, new = boundaries[0], boundaries[-1]
+    n = new.step - old.step
+    per = {part: (b - a) / n for part, a, b in zip(PARTS, old.overhead, new.overhead)}
+    seconds = new.ts - old.ts
+    costs = sorted(b.iteration_seconds for b in boundaries[1:])
+    return SelfCostWindow(
+        recorded=True,
+        first=old.step,
+        last=new.step,
+        iterations=n,
+        seconds=seconds,
+        per_iteration=per,
+        total=sum(per.values()),
+        iterations_per_second=n / seconds if seconds > 0 else None,
+        p50=_nearest_rank(costs, 0.5),
+        p99=_nearest_rank(costs, 0.99),
+    )
+
+
 def request_choices(rec: Recording, state: ReplayState, violations) -> list:
     """Request ids worth a drill-down: those named by a violation (recording order), then those live at the
     step, without repeats."""
@@ -259,13 +322,16 @@ def request_choices(rec: Recording, state: ReplayState, violations) -> list:
 
 __all__ = [
     "LIFELINE_KINDS",
+    "SELF_COST_STEPS",
     "DashboardInputError",
     "Overview",
     "RecordingDir",
+    "SelfCostWindow",
     "overview",
     "recent_events",
     "request_choices",
     "request_history",
+    "self_cost",
     "state_at",
     "state_end_of",
 ]

@@ -160,6 +160,55 @@ def count_series(
     return out
 
 
+# -- the instrumentation's self-cost --------------------------------------------------------------------------------
+NOT_RECORDED = "not recorded"
+# What the self-cost figures are compared with: a GPU decode step of a small model at a high batch.
+STEP_SCALE = "a GPU decode step of a small model at a high batch takes about 10 ms; 1% of it is 100 µs"
+
+
+def micros(seconds: float | None) -> str:
+    """Seconds as microseconds for the page: "37.2 µs" (one decimal below 1,000 µs, none above); "–" for None."""
+    if seconds is None:
+        return "–"
+    us = seconds * 1e6
+    return f"{us:,.1f} µs" if us < 1000 else f"{us:,.0f} µs"
+
+
+def self_cost_metrics(sc) -> list:
+    """The live view's self-cost figures from a ``dashboard.data.SelfCostWindow``: ``[(label, value, help), ...]``:
+    iterations per second, host µs per iteration (total, p99, then one per part). A recording whose boundaries do
+    not carry the self-cost: every value "not recorded"; fewer than two boundaries: "–"."""
+    rows = [
+        ("iterations/s", "iterations per second (step boundaries per second of the recording's clock)"),
+        ("host µs per iteration", "host time the instrumentation added to one scheduler iteration, on average"),
+        ("p99 µs per iteration", "the 99th percentile of one iteration's added host time"),
+    ]
+    parts = list(sc.per_iteration) if sc.per_iteration else ["hooks", "ledger", "checks", "exporters"]
+    rows += [(f"{part} µs", f"host time per iteration charged to {part}") for part in parts]
+    if not sc.recorded:
+        return [(label, NOT_RECORDED, why) for label, why in rows]
+    its = sc.iterations_per_second
+    values = [f"{its:,.1f}" if its is not None else "–", micros(sc.total), micros(sc.p99)]
+    values += [micros(sc.per_iteration[p]) if sc.per_iteration else "–" for p in parts]
+    return [(label, value, why) for (label, why), value in zip(rows, values)]
+
+
+def self_cost_caption(sc, steps: int) -> str:
+    """The line under the self-cost figures: which iterations they cover and what to compare them with."""
+    if not sc.recorded:
+        return (
+            "Self-cost: not recorded (the recording was made before step boundaries carried the instrumentation's "
+            "own host time)."
+        )
+    if not sc.iterations:
+        return f"Self-cost: no iteration recorded yet (it needs two step boundaries within the newest {steps} steps)."
+    return (
+        f"Host time the instrumentation itself spent on the engine's thread per scheduler iteration, over the "
+        f"{_n(sc.iterations, 'iteration')} of steps {sc.first}..{sc.last} (median {micros(sc.p50)}). For scale: "
+        f"{STEP_SCALE}."
+    )
+
+
 # -- one step's state -----------------------------------------------------------------------------------------------
 def pool_snapshots(state: ReplayState, pools: Sequence[Mapping], sliding_window: int | None) -> dict:
     """``PoolSnapshot``s (what ``instrumented_alloc.stats`` reads) of a replayed state, for the pools listed in

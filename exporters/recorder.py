@@ -71,6 +71,9 @@ pool, owner arrays of ``num_pages + 1`` entries); events indexed in ``segments``
 detected: a block deleted together with its ``segments`` rows in the middle of the history, a payload altered into
 another valid one (there is no checksum), emptied ``rids``.
 Request ids round-trip when they are ``str`` or ``int``; other ids are stored as their ``repr``.
+Fields added to an event class after files were written (at the class's end, with a default: ``StepBoundary``'s
+``overhead`` and ``iteration_seconds``) read as their default from a block written without them; a block with
+fewer fields than that, or more than the class has, is damaged.
 
 Hashed request ids (``hash_request_ids=``: a ``instrumented_alloc.redact.RequestIdHasher``, a key, or True for a
 random key): every request id is stored as its pseudonym (``h:`` + 16 hex digits), wherever it would be stored:
@@ -251,6 +254,22 @@ def _fields_of(cls: type) -> tuple:
         )
         _FIELDS[cls] = f
     return f
+
+
+def _stored_fields_min(cls: type) -> int:
+    """The fewest payload fields a stored group of ``cls`` may hold: up to its last field without a default. The
+    fields after it were added later with a default (``StepBoundary``'s self-cost): a file written before reads
+    them as that default."""
+    n = _MIN_FIELDS.get(cls)
+    if n is None:
+        fs = [x for x in dataclasses.fields(cls) if x.name not in ("seq", "ts", "step")]
+        missing = dataclasses.MISSING
+        n = max((i + 1 for i, x in enumerate(fs) if x.default is missing and x.default_factory is missing), default=0)
+        _MIN_FIELDS[cls] = n
+    return n
+
+
+_MIN_FIELDS: dict[type, int] = {}
 
 
 def _rid(r):
@@ -842,7 +861,11 @@ def _decode_groups(groups, offs, floats, arrays, rlists, first, step, classes, w
             raise ValueError(f"unknown event kind code {code}")
         fields = _fields_of(cls)
         if len(entries) != len(fields):
-            raise ValueError(f"a {cls.__name__} group has {len(entries)} fields")
+            # A block written before fields were added to the class (at its end, with a default): those read as
+            # their default (``make`` fills them in).
+            if not _stored_fields_min(cls) <= len(entries) < len(fields):
+                raise ValueError(f"a {cls.__name__} group has {len(entries)} fields")
+            fields = fields[: len(entries)]
         dseq, dstep = offs[at : at + k], offs[at + k : at + 2 * k]
         at += 2 * k
         if len(dstep) != k:

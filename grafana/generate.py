@@ -23,8 +23,12 @@ Contract
   fragmentation, free runs, SWA window, anything with a threshold or an alert behind it) have one series per rank
   (grouped by ``RANK``, every label that identifies a process: the variables' labels; legend ``RANK_LEGEND``,
   which names the deployment, ``tp=``, ``pp=``, ``dp=`` and the instance), never a sum over ranks: a full rank
-  next to an empty one must not read as half full. Rates of events, histograms, the violation count and the page
-  size stay aggregates over the selected ranks.
+  next to an empty one must not read as half full. So are the self-cost panels (``SELF_COST``: the host time the
+  instrumentation adds per scheduler iteration, iterations per second, its per-iteration quantiles): each rank is a
+  scheduler with iterations of its own, and what an iteration of one rank pays is that rank's cost divided by that
+  rank's iterations (the ratio's two sides are matched rank by rank); a sum over ranks would average a slow rank
+  away, where in TP the slowest rank sets the step. Other rates of events, histograms, the violation count and the
+  page size stay aggregates over the selected ranks.
 """
 
 from __future__ import annotations
@@ -77,6 +81,20 @@ RANK = ", ".join(VARIABLES)
 # for the demo, " Qwen/Qwen3-8B unified tp=1 pp=0 dp= (host:port)" for SGLang without DP. The deployment labels
 # are separate words, not run together, so that a series carrying both engine and model_name stays readable.
 RANK_LEGEND = "{{engine}} {{model_name}} {{engine_type}} tp={{tp_rank}} pp={{pp_rank}} dp={{dp_rank}} ({{instance}})"
+
+
+# The self-cost panels' titles (per rank, see the contract).
+SELF_COST = (
+    "Host time added per iteration, by part",
+    "Scheduler iterations per second",
+    "Host time added per iteration p50 / p99",
+)
+# A decode step to compare the self-cost with, for the descriptions: a GPU decode step of a small model at a high
+# batch takes about 10 ms; 1% of it is 100 µs.
+STEP_SCALE = (
+    "For scale: a GPU decode step of a small model at a high batch takes about 10 ms, so 1% of it is 100 µs "
+    "(the unit shows µs)."
+)
 
 
 def sel(extra: str = "") -> str:
@@ -492,6 +510,77 @@ def build() -> dm.Dashboard:
             unit="s",
             w=12,
             h=9,
+        )
+    )
+
+    # -- self-cost ------------------------------------------------------------------------------------------
+    # What the instrumentation itself costs each rank's engine thread, per scheduler iteration: its host seconds by
+    # part over the same rank's iterations (the histogram's _count counts them). ignoring(part) group_left(): every
+    # part of a rank divided by that rank's iterations (one rank's denominator for its four parts; the empty label
+    # list keeps the parenthesised right side from being read as group_left's labels); "> 0" drops a rank that did
+    # not iterate in the window (an idle engine: no iteration to charge the time to, rather than +Inf).
+    iterations = f"sum by ({RANK}) (rate(kvalloc_overhead_iteration_seconds_count{sel()}[$__rate_interval]))"
+    b = b.with_row(dash.Row("Self-cost"))
+    b = b.with_panel(
+        ts(
+            SELF_COST[0],
+            "Host time the instrumentation itself spent on each rank's engine thread per scheduler iteration, "
+            "stacked by part: hooks (the SGLang plugin's request bookkeeping), ledger (the request length writes "
+            "and their verification), checks (the wrapper's own work in allocator calls and at the step "
+            "boundary), exporters (the sinks on the engine thread: metrics, the recorder's queue, spans). It is "
+            "added to that rank's iteration: host time the engine does not spend scheduling or launching kernels. "
+            f"{STEP_SCALE} With several ranks selected the stack adds their series up: select one rank to read "
+            "its own. Bad: a total above about 1% of your step time (100 µs at a 10 ms step), or a part that "
+            "grows with the batch or the traffic (work per request or per page on the engine's thread).",
+            [
+                q(
+                    f"sum by (part, {RANK}) (rate(kvalloc_overhead_seconds_total{sel()}[$__rate_interval])) "
+                    f"/ ignoring(part) group_left() ({iterations} > 0)",
+                    "{{part}}, " + RANK_LEGEND,
+                )
+            ],
+            unit="s",
+            w=10,
+            stack=True,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            SELF_COST[1],
+            "Scheduler iterations (the allocator's step boundaries) per second, per rank: what the self-cost is "
+            "counted per. Bad: zero on a rank that serves traffic (its engine no longer calls the allocator's "
+            "step: no per-iteration figures), or TP ranks of one server at different rates (they step together).",
+            [q(iterations, RANK_LEGEND)],
+            unit="ops",
+            w=6,
+            min=0,
+        )
+    )
+    b = b.with_panel(
+        ts(
+            SELF_COST[2],
+            "Median and 99th percentile of the host time the instrumentation added to one scheduler iteration, "
+            "per rank (from the histogram, buckets 1 µs to 10 ms, interpolated within a bucket). The p99 is what "
+            "the slow iterations pay, and in TP the slowest rank's iteration sets the step. "
+            f"{STEP_SCALE} Bad: a p99 above about 1% of your step time (100 µs at a 10 ms step), or a p99 far "
+            "above the p50 (some iterations pay much more: snapshots, sweeps, a large batch's checks).",
+            [
+                q(
+                    f"histogram_quantile(0.5, sum by (le, {RANK}) "
+                    f"(rate(kvalloc_overhead_iteration_seconds_bucket{sel()}[$__rate_interval])))",
+                    "p50, " + RANK_LEGEND,
+                ),
+                q(
+                    f"histogram_quantile(0.99, sum by (le, {RANK}) "
+                    f"(rate(kvalloc_overhead_iteration_seconds_bucket{sel()}[$__rate_interval])))",
+                    "p99, " + RANK_LEGEND,
+                    "B",
+                ),
+            ],
+            unit="s",
+            w=8,
+            min=0,
         )
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import data
+from dashboard import data, views
 from dashboard.app_config import ENV_DIR, ENV_RECORDING, ENV_REFRESH
 from dashboard.pagemap import page_map
 from exporters.recorder import Recording
@@ -184,6 +184,50 @@ def test_live_view_shows_counts_and_newest_violations_first(app, recordings):
     shown = vs[-200:]
     assert [(x["step"], x["invariant"]) for x in vrows] == [(v.step, v.invariant) for v in reversed(shown)]
     assert len(at.image) == 2  # the page maps of both pools
+
+
+def test_live_view_shows_the_instrumentations_self_cost(app, recordings):
+    # The demo's recording (200 steps): the figures of its newest 200 iterations, as data.self_cost computes them
+    # from the file, each in its metric; the caption says which steps they cover.
+    at = app("faults.sqlite")
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception and not at.error
+    with Recording(recordings.dir / "faults.sqlite") as r:
+        last = r.steps()[1]
+        sc = data.self_cost(r, last)
+    assert sc.recorded and sc.last == last and sc.iterations == data.SELF_COST_STEPS
+    metrics = {m.label: m.value for m in at.metric}
+    want = views.self_cost_metrics(sc)
+    assert {label: metrics[label] for label, _, _ in want} == {label: value for label, value, _ in want}
+    assert metrics["host µs per iteration"] == views.micros(sc.total) != "0.0 µs"
+    assert float(metrics["iterations/s"].replace(",", "")) == pytest.approx(sc.iterations_per_second, abs=0.05)
+    caption = next(c.value for c in at.caption if c.value.startswith("Host time the instrumentation"))
+    assert f"over the 200 iterations of steps {last - 200}..{last}" in caption and "1% of it is 100 µs" in caption
+
+
+def test_live_view_of_a_recording_made_before_the_self_cost_says_not_recorded(tmp_path, monkeypatch):
+    # A recording written before step boundaries carried the self-cost (tests/data/pre-selfcost.sqlite, see
+    # tests/exporters/test_recorder): both views open it, and the live view's self-cost reads "not recorded".
+    import shutil
+
+    if AppTest is None:
+        from tests.ci import missing
+
+        missing("streamlit is not installed (pip install -e '.[dashboard]')")
+    shutil.copy(Path(__file__).resolve().parents[1] / "data" / "pre-selfcost.sqlite", tmp_path / "old.sqlite")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(ENV_RECORDING, "old.sqlite")
+    monkeypatch.setenv(ENV_REFRESH, "3600")
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception and not at.error, [m.value for m in at.error]
+    assert "**Violations at step 12: 0**" in [m.value for m in at.markdown]
+    at.radio(key="view").set_value("Live").run()
+    assert not at.exception and not at.error, [m.value for m in at.error]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["step"] == "12" and metrics["recording"] == "finished"
+    labels = [label for label, _, _ in views.self_cost_metrics(data.SelfCostWindow(recorded=False))]
+    assert {metrics[label] for label in labels} == {"not recorded"}
+    assert any(c.value.startswith("Self-cost: not recorded") for c in at.caption)
 
 
 def test_clean_recording_has_no_violation(app, recordings):

@@ -4,7 +4,9 @@ opened in headless Chromium through Playwright.
 - Incident review of a recording with injected faults: the violation id is on the page, the page map is drawn
   (an image with pixels), and the screenshot is kept under ``test-artifacts/`` (git-ignored).
 - Live: while a demo process writes a recording (a double free injected early: violations keep coming), the
-  page's violation count grows, with no reload of the page (a marker set in the page's window survives).
+  page's violation count grows, with no reload of the page (a marker set in the page's window survives); the
+  instrumentation's self-cost is shown: iterations per second (no more than the demo's pace) and host µs per
+  iteration (more than nothing, less than an iteration lasts).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.ci import missing
 from tests.dashboard.conftest import demo_process, violations_in, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+PACE = 20  # the live test's demo: steps per second
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -38,6 +41,15 @@ READ_STEP = """() => {
   }
   return -1;
 }"""
+# The value text of the metric labelled LABEL ("" when there is none), one read in the page.
+READ_METRIC = """(label) => {
+  for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+    const l = m.querySelector('[data-testid="stMetricLabel"]');
+    if (l && l.innerText.trim() === label) return m.querySelector('[data-testid="stMetricValue"]').innerText.trim();
+  }
+  return '';
+}"""
+SELF_COST_METRICS = f"() => [({READ_METRIC})('iterations/s'), ({READ_METRIC})('host µs per iteration')]"
 VIOLATIONS_METRIC = '[data-testid="stMetric"]:has-text("violations") [data-testid="stMetricValue"]'
 # The same value read in the page (CSS has no :has-text): the metric whose label is "violations".
 READ_VIOLATIONS = """() => {
@@ -156,7 +168,9 @@ def test_incident_review_in_chromium(browser, recordings):
 def test_live_view_follows_a_recording_being_written(browser, tmp_path):
     path = tmp_path / "live.sqlite"
     # A paced demo that runs until killed; the double free corrupts the pool, and violations keep coming.
-    writer = demo_process(path, "--preset", "swa-128", "--pace", "20", "--seed", "4", "--inject", "double-free@20")
+    writer = demo_process(
+        path, "--preset", "swa-128", "--pace", str(PACE), "--seed", "4", "--inject", "double-free@20"
+    )
     dash = None
     try:
         wait_for(lambda: violations_in(path) != [], 120, "the demo's first violation")
@@ -177,6 +191,19 @@ def test_live_view_follows_a_recording_being_written(browser, tmp_path):
         assert later >= first + 2
         assert page.evaluate("() => window.__not_reloaded") == "yes"
         assert "open" in page.inner_text('[data-testid="stMetric"]:has-text("recording")')
+        # The self-cost figures, once the window holds iterations (two step boundaries), from one read of the page.
+        page.wait_for_function(
+            f"() => {{ const [its, us] = ({SELF_COST_METRICS})(); "
+            r"return /^[\d,.]+$/.test(its) && /^[\d,.]+ µs$/.test(us); }",
+            timeout=60_000,
+        )
+        its_text, us_text = page.evaluate(SELF_COST_METRICS)
+        its, us = float(its_text.replace(",", "")), float(us_text.removesuffix(" µs").replace(",", ""))
+        assert 0 < its <= 1.5 * PACE, its_text  # the demo sleeps to its pace, never faster
+        # Time the instrumentation spent in an iteration: some, and less than the iteration lasted (1 / its).
+        assert 0 < us < 1e6 / its, (its_text, us_text)
+        caption = page.locator('[data-testid="stCaptionContainer"]:has-text("Host time the instrumentation")')
+        assert "1% of it is 100 µs" in caption.first.inner_text()
         # For the picture: stop the writer, then wait for a refresh that has drawn the whole page from one state
         # (during a refresh the parts not yet redrawn still show the previous one).
         writer.kill()

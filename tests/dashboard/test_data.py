@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dashboard import data, views
@@ -172,4 +174,122 @@ def test_snapshot_states_leave_out_what_retention_deleted_since(tmp_path):
             assert all((state.owners[p] == live[s].owners[p]).all() for p in state.owners)
         with pytest.raises(data.DashboardInputError, match="not in the recording"):
             data.snapshot_states(r, [r.steps()[1] + 10])  # not yet written: still an error
+    rec.close()
+
+
+# -- the instrumentation's self-cost ----------------------------------------------------------------------------------
+PRE_SELFCOST = Path(__file__).resolve().parents[1] / "data" / "pre-selfcost.sqlite"  # see tests/exporters/test_recorder
+
+
+def selfcost_recording(path, steps: int, work: int = 3) -> None:
+    """A real wrapped paged allocator with a real FlightRecorder (snapshots every 10 steps, so no block of events
+    spans more than 10 steps): ``work`` requests of 8 tokens allocated, freed and released per step."""
+    import torch
+
+    from exporters.recorder import FlightRecorder
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(256, 4, torch.float16, "cpu"), mode="record")
+    with FlightRecorder(w, path, snapshot_every=10):
+        for i in range(steps):
+            for k in range(work):
+                rid = f"r{i}-{k}"
+                with w.batch([rid]):
+                    out = w.alloc(8)
+                w.free(out)
+                w.release_request(rid)
+            w.step()
+
+
+def test_self_cost_over_the_newest_iterations(tmp_path):
+    from instrumented_alloc.selfcost import PARTS
+
+    path = tmp_path / "selfcost.sqlite"
+    selfcost_recording(path, 300)
+    with Recording(path) as r:
+        last = data.overview(r).last
+        assert last == 300
+        every = {b.step: b for b in r.events(kinds=["StepBoundary"])}
+        assert sorted(every) == list(range(1, 301))
+        for steps, first in ((data.SELF_COST_STEPS, 100), (50, 250), (1000, 1)):
+            sc = data.self_cost(r, last, steps)
+            old, new = every[first], every[300]
+            n = 300 - first
+            assert (sc.recorded, sc.first, sc.last, sc.iterations) == (True, first, 300, n)
+            assert list(sc.per_iteration) == list(PARTS)
+            assert sc.per_iteration == {p: (new.overhead[i] - old.overhead[i]) / n for i, p in enumerate(PARTS)}
+            assert sc.total == pytest.approx(sum(sc.per_iteration.values()), rel=1e-12)
+            assert sc.seconds == new.ts - old.ts and sc.iterations_per_second == n / (new.ts - old.ts)
+            # The per-iteration costs of the window's iterations (the boundaries after the oldest) add up to what
+            # the totals grew by: nothing was charged outside an iteration in this run.
+            costs = sorted(every[s].iteration_seconds for s in range(first + 1, 301))
+            assert len(costs) == n and sum(costs) == pytest.approx(sc.total * n, rel=1e-9)
+            assert sc.p50 in costs and sc.p99 in costs and sc.p50 <= sc.p99
+            assert sum(c <= sc.p99 for c in costs) >= 0.99 * n and sum(c < sc.p99 for c in costs) < 0.99 * n
+            assert sum(c <= sc.p50 for c in costs) >= 0.5 * n and sum(c < sc.p50 for c in costs) < 0.5 * n
+            # No SGLang plugin: no hook time. The wrapper checks every call; the recorder's sink runs on this thread.
+            assert sc.per_iteration["hooks"] == 0.0
+            assert sc.per_iteration["checks"] > 0 and sc.per_iteration["exporters"] > 0
+        metrics = views.self_cost_metrics(data.self_cost(r, last))
+        assert [m[0] for m in metrics] == [
+            "iterations/s",
+            "host µs per iteration",
+            "p99 µs per iteration",
+            "hooks µs",
+            "ledger µs",
+            "checks µs",
+            "exporters µs",
+        ]
+        sc = data.self_cost(r, last)
+        assert metrics[1][1] == views.micros(sc.total) and metrics[6][1] == views.micros(sc.per_iteration["exporters"])
+        assert metrics[3][1] == "0.0 µs"
+
+
+def test_self_cost_reads_only_the_newest_steps(tmp_path):
+    # The blocks of steps 20..99 deleted from a copy (their index kept): a read of the whole recording fails on the
+    # hole, the self-cost of the newest 200 steps does not reach it and is what it was.
+    import shutil
+    import sqlite3
+
+    from exporters.recorder import RecordingError
+
+    path = tmp_path / "selfcost.sqlite"
+    selfcost_recording(path, 300)
+    with Recording(path) as r:
+        want = data.self_cost(r, 300)
+    holed = tmp_path / "holed.sqlite"
+    shutil.copy(path, holed)
+    with sqlite3.connect(holed) as conn:
+        deleted = conn.execute("DELETE FROM blocks WHERE step >= 20 AND last_step < 100").rowcount
+    assert deleted >= 5
+    with Recording(holed) as r:
+        with pytest.raises(RecordingError, match="not stored"):
+            list(r.events(kinds=["StepBoundary"]))
+        assert data.self_cost(r, 300) == want
+
+
+def test_self_cost_of_a_recording_made_before_it_was_recorded_or_without_iterations(tmp_path):
+    import torch
+
+    from exporters.recorder import FlightRecorder
+    from instrumented_alloc import InstrumentedAllocator
+    from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator
+
+    with Recording(PRE_SELFCOST) as r:  # its step boundaries have no overhead
+        sc = data.self_cost(r, data.overview(r).last)
+    assert sc == data.SelfCostWindow(recorded=False)
+    assert {value for _, value, _ in views.self_cost_metrics(sc)} == {"not recorded"}
+    assert views.self_cost_caption(sc, 200).startswith("Self-cost: not recorded (the recording was made before")
+    # No step yet, then one step boundary: no iteration between two boundaries to divide by.
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu"))
+    rec = FlightRecorder(w, tmp_path / "young.sqlite")
+    for steps in (0, 1):
+        rec.flush()
+        with Recording(tmp_path / "young.sqlite") as r:
+            sc = data.self_cost(r, data.overview(r).last)
+        assert sc == data.SelfCostWindow(recorded=True), steps
+        assert {value for _, value, _ in views.self_cost_metrics(sc)} == {"–"}
+        assert views.self_cost_caption(sc, 200).startswith("Self-cost: no iteration recorded yet")
+        w.step()
     rec.close()

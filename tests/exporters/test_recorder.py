@@ -239,7 +239,11 @@ def test_every_event_kind_round_trips():
             evicted=i8(0, 0),
         ),
         ev.StepBoundary(seq=11, ts=0.5, step=4, available={"full": 3, "swa": 5}),
-        EventsLost(seq=20, ts=0.5, step=4, first_seq=12, last_seq=20, n_events=9),
+        # The self-cost so far per part, and the iteration's.
+        ev.StepBoundary(
+            seq=12, ts=0.5, step=5, available={"full": 3}, overhead=(1.5e-6, 0.0, 2.5e-5, 1e-6), iteration_seconds=3e-6
+        ),
+        EventsLost(seq=20, ts=0.5, step=5, first_seq=13, last_seq=20, n_events=8),
         # Arrays that are not all 1-D integers (stored one by one), and integers that need 64 bits.
         ev.PageUpdate(
             seq=21, ts=0.25, step=4, op="y", pool="swa", pages=i8(*range(6)).reshape(2, 3), owners=np.array([1.5, -2.0])
@@ -286,6 +290,48 @@ def test_every_event_kind_round_trips():
         (0.5, 0, int),
         (0.5, 2.0**-1074, float),
     ]
+
+
+# Written by the FlightRecorder of commit 1f8c2c5, the last before a step boundary carried the self-cost
+# (``StepBoundary.overhead``, ``iteration_seconds``): a paged allocator (16 pages of 4 tokens, snapshots every 5 steps,
+# meta engine "e0") serving requests r0, r1, r2 of 8 tokens (2 pages each), one admitted at each of steps 0-2, r0
+# freed and released at step 6, 12 steps. (Then ``PRAGMA page_size=1024; VACUUM``: the same rows in a smaller file.)
+PRE_SELFCOST = REPO / "tests" / "data" / "pre-selfcost.sqlite"
+
+
+def test_a_recording_made_before_the_self_cost_fields_reads_them_as_their_defaults():
+    # The reader used to refuse every block of such a file ("a StepBoundary group has 1 fields"): state_at and
+    # events failed on all of it.
+    with Recording(PRE_SELFCOST) as r:
+        assert r.steps() == (0, 12) and r.meta["engine"] == "e0"
+        boundaries = list(r.events(kinds=["StepBoundary"]))
+        assert [b.step for b in boundaries] == list(range(1, 13))
+        assert {(b.overhead, b.iteration_seconds) for b in boundaries} == {((), 0.0)}
+        assert [b.available["full"] for b in boundaries] == [14, 12, 10, 10, 10, 10, 12, 12, 12, 12, 12, 12]
+        for step in (3, 6, 7, 12):
+            state = r.state_at(step)
+            assert sorted(state.ledger) == (["r0", "r1", "r2"] if step < 7 else ["r1", "r2"]), step
+            assert (state.owners["full"] >= 0).sum() == 2 * len(state.ledger), step
+        step6 = [(type(e).__name__, getattr(e, "rids", None) or getattr(e, "rid", None)) for e in r.events(6, 7)]
+        assert step6 == [("StepBoundary", None), ("Free", ("r0",)), ("LedgerUpdate", ("r0",)), ("PageUpdate", None),
+                         ("RequestReleased", "r0")]  # fmt: skip
+
+
+def test_a_group_with_fewer_fields_than_the_required_or_more_than_the_class_is_damaged():
+    import struct
+
+    e = ev.Alloc(seq=1, ts=0.5, step=0, op="alloc", pool="full", n_slots=8, n_pages=2, rids=("a",), duration=1e-6)
+    kind, _, payload = encode_event(e)
+    body = _block_body(payload)
+    (n,) = struct.unpack_from("<I", body, 0)
+    doc = json.loads(body[4 : 4 + n])
+    [(code, count, ts, entries)] = doc["g"]
+    assert len(entries) == 6 and recorder_mod._stored_fields_min(ev.Alloc) == 4  # op, pool, n_slots, n_pages
+    for bad in (entries[:3], [*entries, [0]]):
+        head = json.dumps({**doc, "g": [[code, count, ts, bad]]}, separators=(",", ":")).encode()
+        blob = b"B" + struct.pack("<I", len(head)) + head + body[4 + n :]
+        with pytest.raises(ValueError, match=f"^a Alloc group has {len(bad)} fields$"):
+            decode_event(kind, 1, 0, 0.5, blob)
 
 
 def test_a_block_tells_apart_rids_tuples_at_a_reused_address():

@@ -5,6 +5,8 @@ Contract
   ``grafana/alerts/*.yml`` that is not a ``*_test.yml``.
 - ``PER_RANK``: the titles of the panels that show one allocator's state, one series per rank (never a sum over
   ranks: in multiprocess mode every rank sits behind one instance).
+- ``PER_RANK_SELF_COST``: the titles of the self-cost panels, also one series per rank (and part, quantile): what
+  the instrumentation costs one rank's iterations, over that rank's iterations.
 - ``panels(d)``: every non-row panel; ``targets(d)``: ``(panel, target)`` for every query of every panel.
 - ``interpolate(expr, values)``: ``$name`` / ``${name}`` / ``${name:format}`` replaced from ``values`` (template
   variables and Grafana's ``$__`` built-ins, already formatted); an unknown variable raises ``KeyError`` so a
@@ -42,6 +44,13 @@ PER_RANK = [
     "Largest free run",
     "SWA evicted tokens",
     "Tokens outside the window",
+]
+
+# The instrumentation's own host time per scheduler iteration, per rank: each rank's cost over its own iterations.
+PER_RANK_SELF_COST = [
+    "Host time added per iteration, by part",
+    "Scheduler iterations per second",
+    "Host time added per iteration p50 / p99",
 ]
 
 _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")

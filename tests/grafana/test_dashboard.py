@@ -13,9 +13,16 @@ from grafana_foundation_sdk.models import prometheus as prom_model
 from grafana_foundation_sdk.models.dashboard import Dashboard, RowPanel
 
 from grafana import generate
-from tests.grafana.dashboard_model import DASHBOARD, PER_RANK, load_dashboard, panels, targets
+from tests.grafana.dashboard_model import (
+    DASHBOARD,
+    PER_RANK,
+    PER_RANK_SELF_COST,
+    load_dashboard,
+    panels,
+    targets,
+)
 
-ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Request footprint"]
+ROWS = ["Occupancy", "Fragmentation", "Sliding window (SWA)", "Health", "Latency", "Self-cost", "Request footprint"]
 FILTER = (
     'engine=~"$engine", model_name=~"$model_name", engine_type=~"$engine_type", instance=~"$instance", '
     'tp_rank=~"$tp_rank", pp_rank=~"$pp_rank", dp_rank=~"$dp_rank"'
@@ -147,7 +154,8 @@ def test_per_rank_panels_split_by_rank_and_name_it():
     SGLang's terms; the others do not split by rank."""
     d = load_dashboard()
     by_title = {p["title"]: p for p in panels(d)}
-    assert set(PER_RANK) <= set(by_title)
+    per_rank = PER_RANK + PER_RANK_SELF_COST
+    assert set(per_rank) <= set(by_title)
     # The deployment (the demo's engine; SGLang's model and engine type), the ranks in SGLang's terms, the endpoint.
     assert generate.RANK_LEGEND == (
         "{{engine}} {{model_name}} {{engine_type}} tp={{tp_rank}} pp={{pp_rank}} dp={{dp_rank}} ({{instance}})"
@@ -156,7 +164,7 @@ def test_per_rank_panels_split_by_rank_and_name_it():
         for t in p["targets"]:
             aggregations = re.findall(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(", t["expr"])
             assert aggregations, (title, t["expr"])
-            if title in PER_RANK:
+            if title in per_rank:
                 for op, by in aggregations:
                     labels = {x.strip() for x in by.split(",")}
                     assert set(PROCESS) <= labels, (title, op, t["expr"])
@@ -169,3 +177,30 @@ def test_per_rank_panels_split_by_rank_and_name_it():
     # The used share keeps its thresholds, now judged per rank.
     used = by_title["Used pages, per pool"]
     assert [s["value"] for s in used["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 0.85, 0.95]
+
+
+def test_self_cost_row():
+    """The self-cost panels, after the latency row: host seconds per iteration by part (each part of a rank over
+    that rank's iterations), iterations per second, the per-iteration quantiles; seconds shown as such (Grafana
+    renders 1e-4 s as 100 µs), every description with the decode step to compare with."""
+    d = load_dashboard()
+    assert tuple(PER_RANK_SELF_COST) == generate.SELF_COST
+    titles = [p["title"] for p in d["panels"]]
+    i = titles.index("Self-cost")
+    assert titles[i - 1] == "Op duration p50 / p99" and titles[i + 1 : i + 4] == PER_RANK_SELF_COST
+    by_title = {p["title"]: p for p in panels(d)}
+    by_part, iterations, quantiles = (by_title[t] for t in PER_RANK_SELF_COST)
+    process = ", ".join(PROCESS)
+    count = f"rate(kvalloc_overhead_iteration_seconds_count{{{FILTER}}}[$__rate_interval])"
+    assert [t["expr"] for t in by_part["targets"]] == [
+        f"sum by (part, {process}) (rate(kvalloc_overhead_seconds_total{{{FILTER}}}[$__rate_interval])) "
+        f"/ ignoring(part) group_left() (sum by ({process}) ({count}) > 0)"
+    ]
+    assert [t["legendFormat"] for t in by_part["targets"]] == ["{{part}}, " + generate.RANK_LEGEND]
+    assert by_part["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert [t["expr"] for t in iterations["targets"]] == [f"sum by ({process}) ({count})"]
+    assert [(t["refId"], t["legendFormat"].split(",")[0]) for t in quantiles["targets"]] == [("A", "p50"), ("B", "p99")]
+    assert all("kvalloc_overhead_iteration_seconds_bucket" in t["expr"] for t in quantiles["targets"])
+    assert [by_title[t]["fieldConfig"]["defaults"]["unit"] for t in PER_RANK_SELF_COST] == ["s", "ops", "s"]
+    for title in (PER_RANK_SELF_COST[0], PER_RANK_SELF_COST[2]):
+        assert "about 10 ms, so 1% of it is 100 µs" in by_title[title]["description"], title
