@@ -2878,14 +2878,20 @@ class InstrumentedAllocator:
         with st.lock:
             st.op = name
             pools = st.pools.values()
-            before = [p.entries() for p in pools] if name == "free_group_end" else None
+            ending = name == "free_group_end"
+            # The free counts before the call, to tell which pools a raising free_group_end changed: only when
+            # the group may hold some free (an engine opens and ends a group every iteration, most of them empty;
+            # deferred verification mirrors the frees later, so its shadow cannot say).
+            held = ending and (st.deferred or any(p.shadow.held_set or p.shadow.held_ids for p in pools))
+            before = [p.entries() for p in pools] if held else None
             st.cost.stop_checks()
             try:
                 result = getattr(st.inner, name)()
             except BaseException:
                 st.cost.start()
-                if before is not None:
-                    self._group_end_failed(st, frozenset(p.name for p, b in zip(pools, before) if b != p.entries()))
+                if ending:
+                    changed = () if before is None else (p.name for p, b in zip(pools, before) if b != p.entries())
+                    self._group_end_failed(st, frozenset(changed))
                 raise
             st.cost.start()
             if st.deferred:
