@@ -73,7 +73,8 @@ What is computed when
 - Exemplars (single-process): ``kvalloc_invariant_violations_total`` carries ``{trace_id="..."}`` of the latest
   violation that had one (``alloc.trace_id_for``); visible in the OpenMetrics exposition.
 
-Labels are bounded: pool, state, invariant, op, sink, plus the caller's const labels. Request ids are never labels.
+Labels are bounded: pool, state, invariant, op, sink, part (the four of ``selfcost.PARTS``), plus the caller's
+const labels. Request ids are never labels.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ _GAUGES = (
     ("swa_outside_window_tokens", "Tokens still holding SWA KV though outside the sliding window.", (), "livesum"),
 )
 
-_RESERVED_LABELS = frozenset({"pool", "state", "invariant", "op", "sink", "le", "quantile", "pid"})
+_RESERVED_LABELS = frozenset({"pool", "state", "invariant", "op", "sink", "part", "le", "quantile", "pid"})
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
 # Ops that touch only the SWA pool: the SWA frees, and every call on the SWA pool's own allocator (its checked

@@ -2335,9 +2335,9 @@ class InstrumentedAllocator:
             # The pages already read as own (just compared): no write, and no page delta (see PageUpdate).
             if swa is None:
                 st.roll_key = (key, shadow.version, streak)
-                a = at.item(0)
+                a = at.item(0) if bs else 0
                 rows = st.ps - 1 - a
-                if rows and not np.count_nonzero(at != a):
+                if bs and rows and not np.count_nonzero(at != a):
                     # A batch in step mid-page (every request at offset a; reached when no run vouched for the
                     # call: the prefix cache's transfers or a release spent it): its next decodes up to the pages'
                     # end are a run of their own, as after an opening call (see _DecodeRun).

@@ -1199,7 +1199,7 @@ def test_close_detaches(run):
 
 def test_const_labels_cannot_shadow_catalog_labels():
     w = make_alloc()
-    for bad in ({"pool": "x"}, {"invariant": "x"}, {"1x": "y"}, {"__x": "y"}):
+    for bad in ({"pool": "x"}, {"invariant": "x"}, {"part": "x"}, {"1x": "y"}, {"__x": "y"}):
         with pytest.raises(ValueError, match="const_labels"):
             PrometheusExporter(w, const_labels=bad, multiprocess=False)
 
@@ -1208,13 +1208,14 @@ def test_const_labels_cannot_shadow_catalog_labels():
 def test_no_label_is_a_request_id(run):
     _, exp = run()
     rids = {"req-a", "req-b", "req-c", "req-d"}
-    allowed = {"pool", "state", "invariant", "op", "sink", "le", *CONST}
+    allowed = {"pool", "state", "invariant", "op", "sink", "part", "le", *CONST}
     n = 0
     for fam in exp.registry.collect():
         assert fam.name.startswith("kvalloc_")
         for s in fam.samples:
             n += 1
             assert set(s.labels) <= allowed, (s.name, s.labels)
+            assert s.labels.get("part", "hooks") in ("hooks", "ledger", "checks", "exporters"), s.labels
             for v in s.labels.values():
                 assert not any(rid in v for rid in rids), (s.name, s.labels)
     assert n > 100
