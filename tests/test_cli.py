@@ -38,6 +38,17 @@ def _run(*args, timeout=180):
     return subprocess.run([*_script(), *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+def _main(capsys, *args) -> subprocess.CompletedProcess:
+    """``instrumented-alloc ARGS`` in this process (the console script runs ``cli.main`` alike): what a process would
+    print and exit with, without an interpreter start per case."""
+    try:
+        rc = cli.main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's own usage errors
+        rc = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
 def _one_line_error(res, *needles):
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert "Traceback" not in res.stderr
@@ -73,7 +84,7 @@ def test_unknown_command_is_a_usage_error():
     _one_line_error(_run("no-such-command"), "invalid choice")
 
 
-def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port, capsys):
     bad_trace = tmp_path / "bad.jsonl"
     bad_trace.write_text('{"arrival": 0, "prompt_len": 10, "output_len": 5}\n{"arrival": 1, "prompt_len": -3}\n')
     not_rec = tmp_path / "notes.txt"
@@ -119,9 +130,11 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, taken_port):
         (("dashboard", "--dir", str(tmp_path), "--port", str(taken_port)), [f"port {taken_port} on 127.0.0.1 is"]),
     ]
     for args, needles in cases:
-        _one_line_error(_run(*args), *needles)
+        # In this process, but the dashboard's (which would start one) and one demo case through the console script.
+        in_process = args[0] != "dashboard" and args[:2] != ("demo", "--trace")
+        _one_line_error(_main(capsys, *args) if in_process else _run(*args), *needles)
     # The port's message as serve() words it, without the "[Errno 98]" of the OSError's str().
-    res = _run("demo", "--steps", "5", "--metrics-port", str(taken_port))
+    res = _main(capsys, "demo", "--steps", "5", "--metrics-port", str(taken_port))
     assert res.stderr.startswith(f"instrumented-alloc demo: error: metrics port {taken_port} on 127.0.0.1 is already")
 
 
