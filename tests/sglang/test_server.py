@@ -315,16 +315,38 @@ def test_kv_request_spans_are_children_of_sglangs_request_spans(receiver, served
 
 def test_prometheus_scrapes_it_and_every_dashboard_panel_query_returns_data(server, served, prometheus_server):
     base = prometheus_server(server.port)
-    # Scrapes of the idle server: enough for the range queries (the traffic before is in SGLang's counters).
+    # Scrapes enough for the range queries (the traffic before is in SGLang's counters), some of them of a busy
+    # server: the self-cost per iteration has no value while no iteration runs.
+    stop = threading.Event()
+
+    def busy() -> None:
+        waves = traffic.prefix_waves(12, waves=2, per_wave=2, new_tokens=(8, 16))
+        i = 0
+        while not stop.is_set():
+            wave = waves[i % len(waves)]
+            for ids, rid, n in zip(wave.input_ids, wave.rids, wave.max_new_tokens):
+                server.generate(ids, f"{rid}-busy-{i}", n)
+            i += 1
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    ready = (
+        "count_over_time(kvalloc_page_size_tokens[5m]) >= 8",
+        f"rate(kvalloc_overhead_iteration_seconds_count[{RATE_INTERVAL}]) > 0",
+    )
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            if api(base, "/api/v1/query", query="count_over_time(kvalloc_page_size_tokens[5m]) >= 8")["result"]:
-                break
-        except OSError:
-            pass  # Prometheus is not listening yet
-        assert time.monotonic() < deadline, "Prometheus did not scrape SGLang's /metrics"
-        time.sleep(1)
+    try:
+        while True:
+            try:
+                if all(api(base, "/api/v1/query", query=q)["result"] for q in ready):
+                    break
+            except OSError:
+                pass  # Prometheus is not listening yet
+            assert time.monotonic() < deadline, "Prometheus did not scrape SGLang's /metrics of a busy server"
+            time.sleep(1)
+    finally:
+        stop.set()
+        worker.join(timeout=120)
     dashboard = load_dashboard()
     variables = {v["name"]: ".*" for v in dashboard["templating"]["list"] if v.get("type") == "query"}
     values = {**variables, "__rate_interval": RATE_INTERVAL, "__range": f"{SPAN_S}s"}
