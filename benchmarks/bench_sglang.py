@@ -145,7 +145,7 @@ def child(spec: dict) -> dict:
 
     batch(min(batches), 8)  # warm-up: allocator, caches, the exporters' first series
     before = _probe(probe, 1)
-    out = {}
+    out: dict = {"warmup_iterations": before["iterations"]}
     for n in batches:
         m0 = _metrics()
         cpu0, t0 = _scheduler_cpu(), time.perf_counter()
@@ -319,6 +319,39 @@ def report(measured, args, elapsed: float) -> str:
     return out
 
 
+def profile(args) -> str:
+    """One record-mode run; the ``args.profile``-th iteration of its last measured batch under cProfile: the
+    plugin's functions by cumulative time (deterministic profiling inflates every call: read it for where the
+    time goes)."""
+    import pstats
+
+    with tempfile.TemporaryDirectory(prefix="kvalloc-bench-sglang-") as tmp:
+        workdir = Path(tmp)
+        # The iterations before the last batch's K-th: the warm-up's and the other batches' (a first run counts them).
+        first = run_one("record", True, args, workdir, None, 0)
+        k = first["warmup_iterations"] + sum(first[str(n)]["iterations"] for n in args.batches[:-1]) + args.profile
+        env, engine = _env("record", True, workdir, None)
+        path = workdir / "profiled"
+        env.update(KVALLOC_PROBE_FILE=str(path), KVALLOC_PROBE_PROFILE=str(k))
+        spec = {"env": env, "engine": engine, "seed": 7, "batches": args.batches, "new_tokens": args.new_tokens,
+                "model_dir": str(workdir / "model")}  # fmt: skip
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_sglang", "--child", json.dumps(spec)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
+        (stats,) = glob.glob(f"{path}.*.iter{k}.pstats")
+        st = pstats.Stats(stats)
+        rows = []
+        for (fn, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():
+            if "instrumented_alloc" in fn:
+                rows.append((ct, tt, nc, f"{fn.split('instrumented_alloc/')[-1]}:{line}({name})"))
+        rows.sort(reverse=True)
+        lines = [f"iteration {k} of a record-mode run (batch {args.batches[-1]}), cProfile: the plugin's functions, "
+                 f"cumulative / own microseconds, calls; the whole iteration: {st.total_tt * 1e6:.0f} us"]  # fmt: skip
+        lines += [f"{ct * 1e6:9.0f} {tt * 1e6:9.0f} {nc:6d}  {name}" for ct, tt, nc, name in rows[:25]]
+        out = "\n".join(lines)
+        print(out)
+        return out
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_sglang", description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3, help="bare/instrumented pairs per configuration (at least 3)")
@@ -326,6 +359,13 @@ def main(argv=None) -> str:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--json", help="also write every run's results here")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="K",
+        help="instead: one record-mode run at the last batch size, its K-th scheduler iteration of that batch "
+        "profiled (cProfile, see sglang_plugin/probe.py); prints where the plugin's time goes",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -339,6 +379,8 @@ def main(argv=None) -> str:
         ap.error(f"--batches: expected comma-separated integers, got {args.batches!r}")
     if bad or args.pairs < 3 or not args.batches or min(args.batches) < 1:
         ap.error(f"--configs: unknown {bad}" if bad else "--pairs: at least 3; --batches: positive sizes")
+    if args.profile is not None:
+        return profile(args)
     started = time.perf_counter()
     measured = measure(configs, args)
     if args.json:

@@ -191,15 +191,16 @@ def test_a_clean_run_checks_clean_and_replays(tmp_path):
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_injected_fault_is_reported_by_check_with_its_invariant(tmp_path, fault):
+def test_each_injected_fault_is_reported_by_check_with_its_invariant(tmp_path, fault, capsys):
     rec = tmp_path / f"{fault}.sqlite"
-    res = _run("demo", "--preset", "swa-128", "--steps", "700", "--inject", f"{fault}@300", "--record", rec)
+    # In this process (the console script runs cli.main alike; the other tests here start it).
+    res = _main(capsys, "demo", "--preset", "swa-128", "--steps", "700", "--inject", f"{fault}@300", "--record", rec)
     assert res.returncode == 0, res.stderr
     inv = FAULTS[fault].invariant
     assert f"injected {fault} at step " in res.stdout and f"(expects {inv})" in res.stdout
     fired = int(res.stdout.split(f"injected {fault} at step ")[1].split(":")[0])
     assert fired >= 300
-    chk = _run("check", rec)
+    chk = _main(capsys, "check", rec)
     assert chk.returncode == 1, chk.stdout + chk.stderr
     rows = chk.stdout.splitlines()
     assert rows[1].split()[:3] == ["invariant", "count", "first"]

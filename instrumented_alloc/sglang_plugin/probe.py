@@ -13,8 +13,9 @@ idle after work (and at exit) the totals go to ``PATH`` as JSON (``{"pid", "seco
 from each ``run_batch`` call to the next), one file per scheduler process (``PATH`` gets ``.<pid>`` appended).
 
 With ``KVALLOC_PROBE_PROFILE=K[,K...]`` it also profiles whole scheduler iterations with ``cProfile``: from the
-K-th ``run_batch`` call (1-based) to the next one, written as ``PATH.<pid>.iter<K>.pstats`` (deterministic
-profiling inflates every call; read it for where the time goes, not for how much).
+K-th ``run_batch`` call (1-based) to the next one (or to the scheduler's idle), written as
+``PATH.<pid>.iter<K>.pstats`` (deterministic profiling inflates every call; read it for where the time goes, not
+for how much).
 
 What it does not see: writes of a request's KV record made outside these functions (SGLang's speculative
 accepts), and the exporters' threads (they run off the scheduler's thread).
@@ -72,11 +73,14 @@ class Probe:
 
         return around
 
-    def counted(self, original, *args, **kwargs):
+    def end_profile(self) -> None:
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(f"{self.path}.{os.getpid()}.iter{self.iterations}.pstats")
             self.profiler = None
+
+    def counted(self, original, *args, **kwargs):
+        self.end_profile()
         self.iterations += 1
         self.scheduler = True
         sess = _session()
@@ -88,6 +92,7 @@ class Probe:
         return original(*args, **kwargs)
 
     def idle(self, original, *args, **kwargs):
+        self.end_profile()  # the last iteration's profile ends where the scheduler goes idle
         out = original(*args, **kwargs)
         if self.iterations != self.written:
             self.write()
