@@ -54,12 +54,12 @@ dashboard: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Two workers (pytest-xdist): a test file stays on one, every SGLang test runs on one (see tests/conftest.py);
+# Two workers (pytest-xdist), a test file on one (its module fixtures, an SGLang Engine among them, set up once);
 # PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)

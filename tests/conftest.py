@@ -35,11 +35,3 @@ def taken_port():
     yield s.getsockname()[1]
     s.close()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs two workers with ``--dist loadgroup``): a test file stays on one worker
-    (its module fixtures are set up once), and every test that starts SGLang runs on the same worker, one after
-    another (two Engines at once would share two cores, and SGLang picks its ports at start)."""
-    for item in items:
-        group = "sglang" if item.get_closest_marker("sglang") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
