@@ -338,6 +338,20 @@ class _DecodeRun:
         self.end = row  # where the next call's row ends (past the rows: the run is spent)
 
 
+def _run_after(shadow, ledger, slots, o: np.ndarray, seq: np.ndarray, steps: np.ndarray):
+    """The ``_DecodeRun`` after a verified call with slots ``o`` and lengths ``seq``: the next decodes' expected
+    arguments, ``o`` and ``seq`` + each of ``steps`` (a column). (The class is looked up here at each call: tests
+    replace it to keep no run.)"""
+    return _DecodeRun(
+        shadow,
+        ledger.version,
+        None if slots is None else slots.tobytes(),
+        (o + steps).tobytes(),
+        (seq + steps).tobytes(),
+        o.nbytes,
+    )
+
+
 class _DecodeRoll:
     """What the decode fast path knows after a verified decode of a batch whose requests open their pages at
     different decodes (a sixteenth of the batch at each decode at page size 16: what a real engine's batch does),
@@ -2341,15 +2355,7 @@ class InstrumentedAllocator:
                     # A batch in step mid-page (every request at offset a; reached when no run vouched for the
                     # call: the prefix cache's transfers or a release spent it): its next decodes up to the pages'
                     # end are a run of their own, as after an opening call (see _DecodeRun).
-                    steps = st.steps[:rows]
-                    st.run = _DecodeRun(
-                        shadow,
-                        st.ledger.version,
-                        None if slots is None else slots.tobytes(),
-                        (o + steps).tobytes(),
-                        (seq + steps).tobytes(),
-                        o.nbytes,
-                    )
+                    st.run = _run_after(shadow, st.ledger, slots, o, seq, st.steps[:rows])
             return 0
         # Openers must find their page free (code <= FREE: clipped up to FREE, it reads FREE), the others their
         # own page (codes >= -1, which the clip leaves alone).
@@ -2434,15 +2440,7 @@ class InstrumentedAllocator:
             # A batch in step: each request now sits at offset 0 of a fresh page (see _DecodeRun). Two array
             # additions (the next ps - 1 calls' arguments) here, where the call opened a page for every request;
             # nothing on other calls.
-            steps = st.steps
-            st.run = _DecodeRun(
-                shadow,
-                st.ledger.version,
-                None if slots is None else slots.tobytes(),
-                (o + steps).tobytes(),
-                (seq + steps).tobytes(),
-                o.nbytes,
-            )
+            st.run = _run_after(shadow, st.ledger, slots, o, seq, st.steps)
         else:
             # Requests that open their pages at different decodes (see _DecodeRoll): the following decodes of the
             # same batch are verified against what this one established. o: the caller's, copied.
