@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporters.recorder import Recording, RecordingError
+from exporters.recorder.reader import Recording, RecordingError
 from instrumented_alloc import replay
 from instrumented_alloc.replay import IncompleteHistory, ReplayState
 from instrumented_alloc.selfcost import PARTS

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from exporters.recorder import RecordingError, RecordingNotFoundError
+from exporters.recorder.reader import RecordingError, RecordingNotFoundError
 from instrumented_alloc import events as ev
 from instrumented_alloc.invariants import Violation
 from instrumented_alloc.replay import ReplayState, to_snapshots

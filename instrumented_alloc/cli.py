@@ -84,7 +84,7 @@ def _demo_sglang(args: argparse.Namespace) -> int:
     )
     try:
         launcher = _dashboard_launcher() if args.dashboard else None
-        from exporters.recorder import Recording
+        from exporters.recorder.reader import Recording
 
         return demo.run(options, recording=Recording, dashboard=launcher)
     except demo.BadInput as exc:
@@ -379,7 +379,7 @@ def _summary(engine, how: str, findings, elapsed: float) -> None:
 
 # -- check / replay -----------------------------------------------------------------------------------------------
 def _open_recording(path: str):
-    from exporters.recorder import Recording, RecordingError
+    from exporters.recorder.reader import Recording, RecordingError
 
     try:
         return Recording(path)
@@ -392,7 +392,7 @@ class _Unusable(Exception):
 
 
 def _check(args: argparse.Namespace) -> int:
-    from exporters.recorder import RecordingError
+    from exporters.recorder.reader import RecordingError
     from instrumented_alloc.invariants import INVARIANTS
 
     rec = _open_recording(args.recording)
@@ -416,7 +416,7 @@ def _check(args: argparse.Namespace) -> int:
     print(f"{len(violations)} violations of {len(by_id)} invariants in {label}")
     dropped = int(meta.get("violations_dropped") or 0)
     if dropped:
-        from exporters.recorder import FIRST_VIOLATIONS_KEPT
+        from exporters.recorder.format import FIRST_VIOLATIONS_KEPT
 
         print(
             f"  and {dropped} more that retention deleted (the run's first {FIRST_VIOLATIONS_KEPT} and the newest are "

@@ -8,6 +8,9 @@ A sink that blocks (a network call, a disk write, a lock another thread holds) w
 exporters never block (Prometheus aggregates in memory, OTel appends to the SDK's batch queue, the recorder puts on
 its own bounded queue); any other sink that might block should be wrapped in ``NonBlockingSink``.
 
+It is the project's one bounded queue: the flight recorder's writer runs behind it too, through the extensions
+below (the processor owns the queue, the thread and the drop policy; the wrapped sink is a synchronous export).
+
 Contract:
 - Threading: ``__call__`` runs on the engine thread. It never waits for the wrapped sink: it appends the batch (as
   a tuple) to a bounded queue under a lock that the worker only holds to take one item, and returns True. One daemon
@@ -28,6 +31,14 @@ Contract:
   ``timeout`` seconds), stop it; returns whether it finished. A wrapped sink still blocked then keeps the daemon
   thread (it dies with the process); the queue it has not reached is discarded and counted in ``discarded_events``.
   Unsubscribe the wrapper from the allocator before closing it. Idempotent.
+- Extensions (for a producer that owns its drop policy, such as the flight recorder): ``put(item, urgent=)``
+  queues an item as it is (no copy; the caller counts a refusal: put returns False and logs nothing);
+  ``wake_at``: the worker is woken once that many items wait (or at once for ``urgent``, ``flush``, ``close``, a
+  full queue), else it looks every ``poll`` seconds, so an ordinary put costs a lock and an append, no thread
+  switch; ``idle()``: called on the worker thread when the queue has run empty after work, and again after the
+  seconds it returns (None: not until more work); ``on_flush()``: called on the worker thread by ``flush`` once
+  every earlier item was handed over (its result is flush's); ``start=False``: the worker starts at ``start()``;
+  ``weight(item)``: the events an item holds (for ``discarded_events``).
 """
 
 from __future__ import annotations
@@ -36,27 +47,55 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from instrumented_alloc.events import Event, Sink, sink_name
 
 logger = logging.getLogger("instrumented_alloc.sinks")
 
 
+class _Marker:
+    """A flush request in the queue: the worker sets ``done`` (and ``ok``) when it reaches it."""
+
+    __slots__ = ("done", "ok")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.ok = False
+
+
 class NonBlockingSink:
     """Run ``sink`` on its own thread behind a bounded queue (see the module contract)."""
 
-    def __init__(self, sink: Sink, *, queue_size: int = 1024, name: str | None = None):
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        queue_size: int = 1024,
+        name: str | None = None,
+        wake_at: int = 1,
+        poll: float = 0.05,
+        idle: Callable[[], float | None] | None = None,
+        on_flush: Callable[[], bool] | None = None,
+        weight: Callable[[object], int] = len,
+        start: bool = True,
+    ):
         if not callable(sink):
             raise TypeError(f"sink: expected a callable, got {type(sink).__name__}")
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ValueError(f"queue_size: expected an int >= 1, got {queue_size!r}")
+        for label, value in (("queue_size", queue_size), ("wake_at", wake_at)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label}: expected an int >= 1, got {value!r}")
         self.sink = sink
         self.name = name or sink_name(sink)
         types = getattr(sink, "event_types", None)
         if types is not None:
             self.event_types = frozenset(types)
-        self.queue_size = queue_size
+        self.queue_size = queue_size  # may be changed at any time
+        self._wake_at = wake_at
+        self._poll = None if wake_at == 1 else float(poll)  # every put wakes the worker: no polling
+        self._idle = idle
+        self._on_flush = on_flush
+        self._weight = weight
         self._queue: collections.deque = collections.deque()
         lock = threading.Lock()
         self._cv = threading.Condition(lock)  # the worker waits here for work
@@ -64,68 +103,91 @@ class NonBlockingSink:
         self._closed = False
         self._refusal_logged = False
         self._failure_logged = False
-        self.accepted = 0  # batches queued
-        self.done = 0  # batches the wrapped sink returned from (or raised on)
+        self.accepted = 0  # items queued (flush markers aside)
+        self.done = 0  # items the wrapped sink returned from (or raised on)
         self.failed_batches = 0
         self.failed_events = 0
         self.discarded_events = 0
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"nonblocking-sink:{self.name}", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the worker (once; for ``start=False``)."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
 
     # -- engine thread -----------------------------------------------------------------------------------------
     def __call__(self, batch: Sequence[Event]) -> bool:
+        if self.put(tuple(batch)):
+            return True
+        if not self._closed and not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning(
+                "sink %r is not keeping up (%d batches queued); batches are dropped and counted in "
+                "bus.dropped[%r] until it catches up (further drops are not logged)",
+                self.name,
+                self.queue_size,
+                self.name,
+            )
+        return False
+
+    def put(self, item, urgent: bool = False) -> bool:
+        """Queue ``item`` for the wrapped sink without waiting; False (nothing queued) when the queue is full or
+        closed. ``urgent``: wake the worker now (it is otherwise woken at ``wake_at`` items)."""
         with self._cv:
+            queue = self._queue
             if self._closed:
                 return False
-            if len(self._queue) >= self.queue_size:
-                full = True
-            else:
-                full = False
-                self._queue.append(tuple(batch))
-                self.accepted += 1
+            if len(queue) >= self.queue_size:
+                self._cv.notify()  # a full queue: the worker must be at it
+                return False
+            queue.append(item)
+            self.accepted += 1
+            if urgent or len(queue) >= self._wake_at:
                 self._cv.notify()
-        if full:
-            if not self._refusal_logged:
-                self._refusal_logged = True
-                logger.warning(
-                    "sink %r is not keeping up (%d batches queued); batches are dropped and counted in "
-                    "bus.dropped[%r] until it catches up (further drops are not logged)",
-                    self.name,
-                    self.queue_size,
-                    self.name,
-                )
-            return False
         return True
 
     # -- control -----------------------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Batches accepted and not yet handed to the wrapped sink."""
+        """Items accepted and not yet handed to the wrapped sink."""
         with self._cv:
-            return len(self._queue)
+            return sum(type(x) is not _Marker for x in self._queue)
 
     def flush(self, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self.done < self.accepted:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._progress.wait(left)
-            return True
+            if self._closed or not self._thread.is_alive():
+                # No worker to reach a marker: wait for the items to be handed over.
+                while self.done < self.accepted and self._thread.is_alive():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._progress.wait(left)
+                return self.done >= self.accepted
+            marker = _Marker()
+            self._queue.append(marker)  # beyond the bound: flush is never refused
+            self._cv.notify()
+        return marker.done.wait(max(0.0, deadline - time.monotonic())) and marker.ok
 
     def close(self, timeout: float = 5.0) -> bool:
         with self._cv:
             if not self._closed:
                 self._closed = True
                 self._cv.notify_all()
-        self._thread.join(max(0.0, timeout))
-        if self._thread.is_alive():
+        if self._thread.ident is not None:
+            self._thread.join(max(0.0, timeout))
+        if self._thread.is_alive() or self._thread.ident is None:
             with self._cv:
                 left, self._queue = self._queue, collections.deque()
-                self.discarded_events += sum(len(b) for b in left)
-            return False
+            for x in left:
+                if type(x) is _Marker:
+                    x.done.set()
+                else:
+                    self.discarded_events += self._weight(x)
+            return not left and self._thread.ident is None
         return True
 
     def __repr__(self) -> str:
@@ -133,22 +195,40 @@ class NonBlockingSink:
 
     # -- worker thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        worked = False  # items handled since idle() last ran
+        idle_at = None  # when idle() asked to run again (monotonic seconds)
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:  # closed and drained
-                    return
-                batch = self._queue.popleft()
+                while not self._queue:
+                    if self._closed:
+                        return
+                    if self._idle is not None and (worked or (idle_at is not None and time.monotonic() >= idle_at)):
+                        break
+                    wait = self._poll
+                    if idle_at is not None:
+                        left = max(0.0, idle_at - time.monotonic())
+                        wait = left if wait is None else min(wait, left)
+                    self._cv.wait(wait)
+                item = self._queue.popleft() if self._queue else None
+            if item is None:  # the queue ran empty: the wrapped sink's idle work
+                worked = False
+                after = self._call(self._idle, None)
+                idle_at = None if after is None else time.monotonic() + after
+                continue
+            if type(item) is _Marker:
+                item.ok = bool(self._call(self._on_flush, False)) if self._on_flush is not None else True
+                item.done.set()
+                continue
+            worked = True
             ok: bool | None
             try:
-                ok = self.sink(batch)
+                ok = self.sink(item)
             except Exception as exc:
                 ok = False
                 self.last_error = f"{type(exc).__name__}: {exc}"
             if ok is False:
                 self.failed_batches += 1
-                self.failed_events += len(batch)
+                self.failed_events += self._weight(item)
                 if not self._failure_logged:
                     self._failure_logged = True
                     logger.warning(
@@ -160,3 +240,10 @@ class NonBlockingSink:
             with self._cv:
                 self.done += 1
                 self._progress.notify_all()
+
+    def _call(self, fn, failed):
+        try:
+            return fn()
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return failed

@@ -42,8 +42,8 @@ tests/exporters/test_prometheus.py, recorder = tests/exporters/test_recorder.py,
 Read-only recording: chmod of the file or its directory mid-run cannot make this fault. The writer already holds the
 database, its WAL and shared-memory files open, and permissions are checked at open, not per write (and the tests
 may run as root, who ignores them anyway). So the database is made read-only the way SQLite itself sees it: the
-writer's connection (captured through the ``exporters.recorder._open_writer`` seam) gets ``PRAGMA query_only = ON``
-mid-run, after which every write fails with SQLite's "attempt to write a readonly database".
+writer's connection (captured through the ``exporters.recorder.writer._open_writer`` seam) gets
+``PRAGMA query_only = ON`` mid-run, after which every write fails with SQLite's "attempt to write a readonly database".
 
 OTel: the exporter's sink never refuses (it only builds spans in memory), so a failing collector drops nothing on the
 bus (``alloc.bus.dropped["otel"]`` stays 0). The spans are lost at export, in the SDK's batch processor, which logs
@@ -72,7 +72,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import exporters.recorder as recorder_mod
+import exporters.recorder.writer as recorder_mod
 from exporters.otel import OtelExporter
 from exporters.prometheus import PrometheusExporter
 from exporters.recorder import FlightRecorder, Recording

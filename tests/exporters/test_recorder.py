@@ -27,7 +27,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import exporters.recorder as recorder_mod
+import exporters.recorder.codec as codec
+import exporters.recorder.format as fmt
+import exporters.recorder.reader as reader_mod
+import exporters.recorder.writer as writer_mod
 from exporters.recorder import (
     FORMAT_VERSION,
     FlightRecorder,
@@ -273,18 +276,18 @@ def test_every_event_kind_round_trips():
     kind, _, payload = encode_event(odd)
     assert decode_event(kind, 1, 0, 0.0, payload).rids == ("('t', 1)", None, "2.5")
     # Timestamps are stored as float64 bits; a block with a timestamp that is not a float keeps them all in JSON.
-    b = recorder_mod._BlockWriter(0, 1, None)
+    b = codec._BlockWriter(0, 1, None)
     for seq, ts in ((1, 0.1), (2, 7), (3, 1e300)):
         e = ev.Free(seq=seq, ts=ts, step=0, op="free", pool="full", n_pages=1, rids=("a",))
         b.add(type(e), e.__dict__)
-    got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
+    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
     assert [(e.seq, e.ts, type(e.ts)) for e in got] == [(1, 0.1, float), (2, 7, int), (3, 1e300, float)]
     # Float fields (durations) are stored as float64 bits too; one that holds an int stays in the JSON.
-    b = recorder_mod._BlockWriter(0, 1, None)
+    b = codec._BlockWriter(0, 1, None)
     for seq, duration in ((1, 1.5e-5), (2, 0), (3, 2.0**-1074)):
         e = ev.Free(seq=seq, ts=0.5, step=0, op="free", pool="full", n_pages=1, rids=("a",), duration=duration)
         b.add(type(e), e.__dict__)
-    got = recorder_mod._decode_block(b.row()[-1], 1, 0, recorder_mod._CLASSES)
+    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
     assert [(e.ts, e.duration, type(e.duration)) for e in got] == [
         (0.5, 1.5e-5, float),
         (0.5, 0, int),
@@ -326,7 +329,7 @@ def test_a_group_with_fewer_fields_than_the_required_or_more_than_the_class_is_d
     (n,) = struct.unpack_from("<I", body, 0)
     doc = json.loads(body[4 : 4 + n])
     [(code, count, ts, entries)] = doc["g"]
-    assert len(entries) == 6 and recorder_mod._stored_fields_min(ev.Alloc) == 4  # op, pool, n_slots, n_pages
+    assert len(entries) == 6 and fmt._stored_fields_min(ev.Alloc) == 4  # op, pool, n_slots, n_pages
     for bad in (entries[:3], [*entries, [0]]):
         head = json.dumps({**doc, "g": [[code, count, ts, bad]]}, separators=(",", ":")).encode()
         blob = b"B" + struct.pack("<I", len(head)) + head + body[4 + n :]
@@ -336,16 +339,14 @@ def test_a_group_with_fewer_fields_than_the_required_or_more_than_the_class_is_d
 
 def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
     # A block keeps the rids tuples it indexed by identity alive: a later tuple cannot take a freed one's address.
-    from exporters import recorder
-
-    b = recorder._BlockWriter(0, 1, None)
+    b = codec._BlockWriter(0, 1, None)
     ids = []
     for seq, rid in ((1, "x"), (2, "y"), (3, "z")):
         e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=("".join(["r", rid]),))
         ids.append(id(e.rids))
         b.add(type(e), e.__dict__)
         del e
-    got = recorder._decode_block(b.row()[-1], 1, 0, recorder._CLASSES)
+    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
     assert [(e.seq, e.rids) for e in got] == [(1, ("rx",)), (2, ("ry",)), (3, ("rz",))]
     assert len(set(ids)) == 3
 
@@ -357,12 +358,12 @@ def test_rids_tuples_equal_by_value_keep_their_own_types_across_blocks():
     tuples = [("a", "b"), ("a", "b"), (1, "b"), (1.0, "b"), (True, "b"), (np.int64(1), "b"), ([1], "b"), ("a", "b")]
     want = [("a", "b"), ("a", "b"), (1, "b"), ("1.0", "b"), ("True", "b"), (1, "b"), ("[1]", "b"), ("a", "b")]
     for _ in range(2):  # the second block reads the cache the first one filled
-        b = recorder_mod._BlockWriter(0, 1, cache)
+        b = codec._BlockWriter(0, 1, cache)
         for seq, rids in enumerate(tuples, 1):
             e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=tuple(rids))
             b.add(type(e), e.__dict__)
         payload = b.row()[-1]
-        got = recorder_mod._decode_block(payload, 1, 0, recorder_mod._CLASSES)
+        got = codec._decode_block(payload, 1, 0, codec._CLASSES)
         assert [e.rids for e in got] == want
         assert [type(e.rids[0]) for e in got] == [type(w[0]) for w in want]
         head = json.loads(payload[5 : 5 + int.from_bytes(payload[1:5], "little")])
@@ -544,7 +545,7 @@ def test_events_read_while_retention_deletes_ahead_raise_instead_of_skipping(tmp
     """A long ``events()`` iteration of a bounded recording being written: when retention deletes blocks the
     iteration has not reached, it raises ``IncompleteHistory`` naming the first missing seq (it used to skip them,
     or stop early, silently). An iteration that retention does not overtake reads everything."""
-    monkeypatch.setattr(recorder_mod, "_READ_BLOCKS", 3)  # chunks of 3 blocks: a long read in a few steps
+    monkeypatch.setattr(reader_mod, "_READ_BLOCKS", 3)  # chunks of 3 blocks: a long read in a few steps
     path = tmp_path / "bounded.db"
     rec, steps = bounded_recording(path, max_events=60, snapshot_every=5)
 
@@ -780,7 +781,7 @@ def test_a_failed_construction_leaves_no_file_behind(tmp_path, monkeypatch, stag
     # removed, so the next attempt at that path (make demo reuses one) works, with or without overwrite=True.
     e = Engine("paged-4", False, "immediate")
     path = tmp_path / "r.db"
-    real_open = recorder_mod._open_writer
+    real_open = writer_mod._open_writer
     if stage == "schema":
 
         def full_disk(p):
@@ -788,13 +789,13 @@ def test_a_failed_construction_leaves_no_file_behind(tmp_path, monkeypatch, stag
             conn.execute("PRAGMA max_page_count = 1")  # "database or disk is full" at the first table
             return conn
 
-        monkeypatch.setattr(recorder_mod, "_open_writer", full_disk)
+        monkeypatch.setattr(writer_mod, "_open_writer", full_disk)
     else:
 
         def full_disk(self, step, seq, snaps):
             raise sqlite3.OperationalError("database or disk is full")
 
-        monkeypatch.setattr(FlightRecorder, "_write_snapshot", full_disk)
+        monkeypatch.setattr(writer_mod.Writer, "_write_snapshot", full_disk)
     sinks_before = e.w.bus.sinks
     with pytest.raises(RecorderError, match="database or disk is full") as info:
         FlightRecorder(e.w, path)
@@ -934,11 +935,11 @@ def test_a_file_left_by_a_writer_killed_while_making_it_is_taken_over(tmp_path):
     # A writer killed after switching the file to WAL and before committing its metadata leaves a SQLite file with
     # (some of) the tables and no metadata: every later writer was refused, overwrite or not.
     e = Engine("paged-4", False, "immediate")
-    for n, tables in enumerate((0, 2, len(recorder_mod._TABLES))):
+    for n, tables in enumerate((0, 2, len(fmt._TABLES))):
         path = tmp_path / f"r{n}.db"
         with contextlib.closing(sqlite3.connect(path)) as c:  # closed: the writer that made it is gone
             c.execute("PRAGMA journal_mode = WAL")
-            for stmt in [x for x in recorder_mod._SCHEMA.split(";") if "CREATE TABLE" in x][:tables]:
+            for stmt in [x for x in fmt._SCHEMA.split(";") if "CREATE TABLE" in x][:tables]:
                 c.execute(stmt)
             if not tables:
                 c.execute("PRAGMA user_version = 1")  # a header page, no table
@@ -1017,14 +1018,14 @@ def _run_until_failure(e: Engine, rec: FlightRecorder, snaps: dict, pick) -> Non
 def test_write_fault_mid_run_stops_recording_quietly(tmp_path, monkeypatch, caplog, fault):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     if fault == "disk_full":
-        real = recorder_mod._open_writer
+        real = writer_mod._open_writer
 
         def tiny_disk(path):
             conn = real(path)
             conn.execute("PRAGMA max_page_count = 40")  # SQLite then reports "database or disk is full"
             return conn
 
-        monkeypatch.setattr(recorder_mod, "_open_writer", tiny_disk)
+        monkeypatch.setattr(writer_mod, "_open_writer", tiny_disk)
     e = Engine("swa-4", False, "immediate")
     path = tmp_path / "fault.db"
     rec = FlightRecorder(e.w, path, snapshot_every=3, flush_interval=0.01)
@@ -1162,14 +1163,14 @@ def test_retention_bounds_a_run_that_violates_every_step(tmp_path, bound):
 def stuck_writer(rec, monkeypatch):
     """Hold the writer in its next write until the returned gate is set; ``entered`` is set once it is held."""
     gate, entered = threading.Event(), threading.Event()
-    real_write = rec._write
+    real_write = rec._writer.write
 
-    def stuck_write(*item):
+    def stuck_write(item):
         entered.set()
         gate.wait(10)
-        return real_write(*item)
+        return real_write(item)
 
-    monkeypatch.setattr(rec, "_write", stuck_write)
+    monkeypatch.setattr(rec._writer, "write", stuck_write)
     return gate, entered
 
 
@@ -1190,7 +1191,7 @@ def test_full_queue_drops_batches_and_marks_the_gap(tmp_path, monkeypatch):
     assert entered.wait(5)  # the writer holds the first batch and takes nothing more until the gate opens
     drive(e, pick, 40, on_step)
     assert e.w.bus.dropped["recorder"] > 0  # the writer is stuck: the sink refused, the engine went on
-    rec._queue.maxsize = 10000  # from here on the writer keeps up: exactly one gap
+    rec._queue.queue_size = 10000  # from here on the writer keeps up: exactly one gap
     gate.set()
     assert rec.flush()
     drive(e, pick, 40, on_step)
@@ -1251,11 +1252,11 @@ def _texts_of_recording(path) -> list:
     through ``_decode_block``, deflated or not; snapshot ledgers and owners unpacked), and the raw bytes of the file
     itself."""
     out: list = []
-    classes = recorder_mod._classes_of(Recording(path).meta["kinds"])
+    classes = fmt._classes_of(Recording(path).meta["kinds"])
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-        assert set(tables) == set(recorder_mod._TABLES)
+        assert set(tables) == set(fmt._TABLES)
         for table in tables:
             cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
             for row in conn.execute(f"SELECT * FROM {table}"):
@@ -1266,13 +1267,13 @@ def _texts_of_recording(path) -> list:
                     elif isinstance(v, bytes):
                         out.append(v.decode("latin-1"))
                         if table == "blocks" and name == "payload":
-                            events = recorder_mod._decode_block(v, row["seq"], row["step"], classes)
+                            events = codec._decode_block(v, row["seq"], row["step"], classes)
                             assert len(events) == row["n"]
                             out.extend(repr(e) for e in events)
                         elif table == "snapshots" and name == "ledger":
-                            out.append(json.dumps(recorder_mod._unpack(v)))
+                            out.append(json.dumps(fmt._unpack(v)))
                         elif table == "snapshots" and name == "owner":
-                            out.append(repr(recorder_mod._decode_owner(v).tolist()))
+                            out.append(repr(codec._decode_owner(v).tolist()))
     finally:
         conn.close()
     out.append(Path(path).read_bytes().decode("latin-1"))
