@@ -32,7 +32,7 @@ from instrumented_alloc import replay
 from instrumented_alloc.invariants import Violation
 from instrumented_alloc.replay import ReplayState
 
-from .codec import _decode_block, _decode_owner
+from .decode import _decode_block, _decode_owner
 from .format import (
     _STATE_KINDS,
     _TABLES,

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import exporters.recorder.codec as codec
+import exporters.recorder.decode as decode
 import exporters.recorder.format as fmt
 import exporters.recorder.reader as reader_mod
 import exporters.recorder.writer as writer_mod
@@ -280,14 +281,14 @@ def test_every_event_kind_round_trips():
     for seq, ts in ((1, 0.1), (2, 7), (3, 1e300)):
         e = ev.Free(seq=seq, ts=ts, step=0, op="free", pool="full", n_pages=1, rids=("a",))
         b.add(type(e), e.__dict__)
-    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
+    got = decode._decode_block(b.row()[-1], 1, 0, decode._CLASSES)
     assert [(e.seq, e.ts, type(e.ts)) for e in got] == [(1, 0.1, float), (2, 7, int), (3, 1e300, float)]
     # Float fields (durations) are stored as float64 bits too; one that holds an int stays in the JSON.
     b = codec._BlockWriter(0, 1, None)
     for seq, duration in ((1, 1.5e-5), (2, 0), (3, 2.0**-1074)):
         e = ev.Free(seq=seq, ts=0.5, step=0, op="free", pool="full", n_pages=1, rids=("a",), duration=duration)
         b.add(type(e), e.__dict__)
-    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
+    got = decode._decode_block(b.row()[-1], 1, 0, decode._CLASSES)
     assert [(e.ts, e.duration, type(e.duration)) for e in got] == [
         (0.5, 1.5e-5, float),
         (0.5, 0, int),
@@ -346,7 +347,7 @@ def test_a_block_tells_apart_rids_tuples_at_a_reused_address():
         ids.append(id(e.rids))
         b.add(type(e), e.__dict__)
         del e
-    got = codec._decode_block(b.row()[-1], 1, 0, codec._CLASSES)
+    got = decode._decode_block(b.row()[-1], 1, 0, decode._CLASSES)
     assert [(e.seq, e.rids) for e in got] == [(1, ("rx",)), (2, ("ry",)), (3, ("rz",))]
     assert len(set(ids)) == 3
 
@@ -363,7 +364,7 @@ def test_rids_tuples_equal_by_value_keep_their_own_types_across_blocks():
             e = ev.Free(seq=seq, ts=0.0, step=0, op="free", pool="full", n_pages=1, rids=tuple(rids))
             b.add(type(e), e.__dict__)
         payload = b.row()[-1]
-        got = codec._decode_block(payload, 1, 0, codec._CLASSES)
+        got = decode._decode_block(payload, 1, 0, decode._CLASSES)
         assert [e.rids for e in got] == want
         assert [type(e.rids[0]) for e in got] == [type(w[0]) for w in want]
         head = json.loads(payload[5 : 5 + int.from_bytes(payload[1:5], "little")])
@@ -1267,13 +1268,13 @@ def _texts_of_recording(path) -> list:
                     elif isinstance(v, bytes):
                         out.append(v.decode("latin-1"))
                         if table == "blocks" and name == "payload":
-                            events = codec._decode_block(v, row["seq"], row["step"], classes)
+                            events = decode._decode_block(v, row["seq"], row["step"], classes)
                             assert len(events) == row["n"]
                             out.extend(repr(e) for e in events)
                         elif table == "snapshots" and name == "ledger":
                             out.append(json.dumps(fmt._unpack(v)))
                         elif table == "snapshots" and name == "owner":
-                            out.append(repr(codec._decode_owner(v).tolist()))
+                            out.append(repr(decode._decode_owner(v).tolist()))
     finally:
         conn.close()
     out.append(Path(path).read_bytes().decode("latin-1"))

@@ -1,5 +1,5 @@
 """The recorder package's layering: readers (the dashboard, the CLI's reading commands, the package's
-``Recording``) load the format, the codec and the reader, never the writer side (writer, sink, path lock)."""
+``Recording``) load the format, the codec and the reader, never the writer side (encoder, writer, sink, path lock)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-WRITER_SIDE = ("exporters.recorder.writer", "exporters.recorder.sink", "exporters.recorder.lock")
+WRITER_SIDE = (
+    "exporters.recorder.codec",
+    "exporters.recorder.writer",
+    "exporters.recorder.sink",
+    "exporters.recorder.lock",
+)
 
 
 def loaded_after(code: str) -> list[str]:
