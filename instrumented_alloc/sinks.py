@@ -5,11 +5,11 @@
 Why: the bus is synchronous (a batch is handed to every sink on the engine's thread, inside the allocator call that
 produced it), so that with no sink instrumentation costs nothing and with our own exporters it costs an enqueue.
 A sink that blocks (a network call, a disk write, a lock another thread holds) would block the engine's call. Our
-exporters never block (Prometheus aggregates in memory, OTel appends to the SDK's batch queue, the recorder puts on
-its own bounded queue); any other sink that might block should be wrapped in ``NonBlockingSink``.
+exporters never block (Prometheus aggregates in memory, OTel appends to the SDK's batch queue, the recorder's
+writer runs behind a ``NonBlockingSink``); any other sink that might block should be wrapped in one.
 
-It is the project's one bounded queue: the flight recorder's writer runs behind it too, through the extensions
-below (the processor owns the queue, the thread and the drop policy; the wrapped sink is a synchronous export).
+It is the project's one bounded queue. As in OpenTelemetry's ``BatchSpanProcessor``, it owns the queue, the worker
+thread and the drop policy, and the wrapped sink is a synchronous export of one item at a time.
 
 Contract:
 - Threading: ``__call__`` runs on the engine thread. It never waits for the wrapped sink: it appends the batch (as
@@ -38,7 +38,7 @@ Contract:
   switch; ``idle()``: called on the worker thread when the queue has run empty after work, and again after the
   seconds it returns (None: not until more work); ``on_flush()``: called on the worker thread by ``flush`` once
   every earlier item was handed over (its result is flush's); ``start=False``: the worker starts at ``start()``;
-  ``weight(item)``: the events an item holds (for ``discarded_events``).
+  ``weight(item)``: the events an item holds (for ``discarded_events``); ``thread_name``: the worker's.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class NonBlockingSink:
         on_flush: Callable[[], bool] | None = None,
         weight: Callable[[object], int] = len,
         start: bool = True,
+        thread_name: str | None = None,
     ):
         if not callable(sink):
             raise TypeError(f"sink: expected a callable, got {type(sink).__name__}")
@@ -109,7 +110,8 @@ class NonBlockingSink:
         self.failed_events = 0
         self.discarded_events = 0
         self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"nonblocking-sink:{self.name}", daemon=True)
+        thread = thread_name or f"nonblocking-sink:{self.name}"
+        self._thread = threading.Thread(target=self._run, name=thread, daemon=True)
         if start:
             self._thread.start()
 

@@ -130,6 +130,7 @@ class FlightRecorder:
                 on_flush=w.commit,
                 weight=_writer.item_events,
                 start=False,
+                thread_name=f"flight-recorder:{self.path}",
             )
             self._put = self._queue.put
             try:
