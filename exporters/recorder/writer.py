@@ -2,8 +2,9 @@
 ``instrumented_alloc.sinks.NonBlockingSink`` (which owns the bounded queue and the worker thread).
 
 Contracts:
-- Thread: every method but the constructor and ``finish`` runs on the queue's worker thread, one at a time;
-  ``finish`` runs on the closing thread once the worker has exited. Nothing here runs on the engine thread.
+- Thread: ``write``, ``idle`` and ``commit`` run on the queue's worker thread, one at a time; ``initial_snapshot``
+  on the constructing thread before the worker starts, ``finish`` on the closing thread once it has exited.
+  Nothing here runs on the engine thread; ``want_snapshot``, ``failed`` and ``lost`` are read from others.
 - Items: what ``FlightRecorder`` queued, a flat ``[class, instance dict, ...]`` list (the usual batch) or a tuple
   ``(that list, snapshot or None, lost seq range or None, urgent)``. Events go into blocks (``codec``) in seq order,
   each batch with its snapshot in one transaction. A violation is committed at once; other events every
