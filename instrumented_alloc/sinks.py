@@ -32,11 +32,12 @@ Contract:
   thread (it dies with the process); the queue it has not reached is discarded and counted in ``discarded_events``.
   Unsubscribe the wrapper from the allocator before closing it. Idempotent.
 - Extensions (for a producer that owns its drop policy, such as the flight recorder): ``put(item, urgent=)``
-  queues an item as it is (no copy; the caller counts a refusal: put returns False and logs nothing);
+  queues an item as it is, from one producer thread (no copy, no lock; the caller counts a refusal: put returns
+  False and logs nothing);
   ``wake_at``: the worker is woken once that many items wait (or at once for ``urgent``, ``flush``, ``close``, a
-  full queue), else it looks every ``poll`` seconds, so an ordinary put costs a lock and an append, no thread
-  switch; ``idle()``: called on the worker thread when the queue has run empty after work, and again after the
-  seconds it returns (None: not until more work); ``on_flush()``: called on the worker thread by ``flush`` once
+  full queue), else it looks every ``poll`` seconds, so an ordinary put costs an append, no thread switch;
+  ``idle()``: called on the worker thread when the queue has run empty after work, and again after the seconds it
+  returns (None: not until more work); ``on_flush()``: called on the worker thread by ``flush`` once
   every earlier item was handed over (its result is flush's); ``start=False``: the worker starts at ``start()``;
   ``weight(item)``: the events an item holds (for ``discarded_events``); ``thread_name``: the worker's.
 """
@@ -102,6 +103,7 @@ class NonBlockingSink:
         self._cv = threading.Condition(lock)  # the worker waits here for work
         self._progress = threading.Condition(lock)  # flush() waits here for the worker
         self._closed = False
+        self._markers = 0  # flush markers in the queue (not items)
         self._refusal_logged = False
         self._failure_logged = False
         self.accepted = 0  # items queued (flush markers aside)
@@ -122,32 +124,47 @@ class NonBlockingSink:
 
     # -- engine thread -----------------------------------------------------------------------------------------
     def __call__(self, batch: Sequence[Event]) -> bool:
-        if self.put(tuple(batch)):
-            return True
-        if not self._closed and not self._refusal_logged:
-            self._refusal_logged = True
-            logger.warning(
-                "sink %r is not keeping up (%d batches queued); batches are dropped and counted in "
-                "bus.dropped[%r] until it catches up (further drops are not logged)",
-                self.name,
-                self.queue_size,
-                self.name,
-            )
-        return False
+        with self._cv:
+            if self._closed:
+                return False
+            if len(self._queue) >= self.queue_size:
+                full = True
+                self._cv.notify()  # a full queue: the worker must be at it
+            else:
+                full = False
+                self._queue.append(tuple(batch))
+                self.accepted += 1
+                if len(self._queue) >= self._wake_at:
+                    self._cv.notify()
+        if full:
+            if not self._refusal_logged:
+                self._refusal_logged = True
+                logger.warning(
+                    "sink %r is not keeping up (%d batches queued); batches are dropped and counted in "
+                    "bus.dropped[%r] until it catches up (further drops are not logged)",
+                    self.name,
+                    self.queue_size,
+                    self.name,
+                )
+            return False
+        return True
 
     def put(self, item, urgent: bool = False) -> bool:
         """Queue ``item`` for the wrapped sink without waiting; False (nothing queued) when the queue is full or
-        closed. ``urgent``: wake the worker now (it is otherwise woken at ``wake_at`` items)."""
-        with self._cv:
-            queue = self._queue
-            if self._closed:
-                return False
-            if len(queue) >= self.queue_size:
+        closed. ``urgent``: wake the worker now (it is otherwise woken at ``wake_at`` items). One producer thread
+        (the engine's): the append takes no lock (a deque's append is atomic; the worker only pops), only a
+        wake-up does, so that the worker cannot miss it."""
+        queue = self._queue
+        if self._closed:
+            return False
+        if len(queue) >= self.queue_size:
+            with self._cv:
                 self._cv.notify()  # a full queue: the worker must be at it
-                return False
-            queue.append(item)
-            self.accepted += 1
-            if urgent or len(queue) >= self._wake_at:
+            return False
+        queue.append(item)
+        self.accepted += 1
+        if urgent or len(queue) >= self._wake_at:
+            with self._cv:
                 self._cv.notify()
         return True
 
@@ -155,8 +172,7 @@ class NonBlockingSink:
     @property
     def pending(self) -> int:
         """Items accepted and not yet handed to the wrapped sink."""
-        with self._cv:
-            return sum(type(x) is not _Marker for x in self._queue)
+        return max(0, len(self._queue) - self._markers)
 
     def flush(self, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -171,6 +187,7 @@ class NonBlockingSink:
                 return self.done >= self.accepted
             marker = _Marker()
             self._queue.append(marker)  # beyond the bound: flush is never refused
+            self._markers += 1
             self._cv.notify()
         return marker.done.wait(max(0.0, deadline - time.monotonic())) and marker.ok
 
@@ -184,7 +201,8 @@ class NonBlockingSink:
         if self._thread.is_alive() or self._thread.ident is None:
             with self._cv:
                 left, self._queue = self._queue, collections.deque()
-            for x in left:
+                self._markers = 0
+            for x in list(left):
                 if type(x) is _Marker:
                     x.done.set()
                 else:
@@ -212,6 +230,8 @@ class NonBlockingSink:
                         wait = left if wait is None else min(wait, left)
                     self._cv.wait(wait)
                 item = self._queue.popleft() if self._queue else None
+                if type(item) is _Marker:
+                    self._markers -= 1
             if item is None:  # the queue ran empty: the wrapped sink's idle work
                 worked = False
                 after = self._call(self._idle, None)
