@@ -245,6 +245,7 @@ def _json(doc) -> str:
     return "".join(_C_ENCODER(doc, 0))
 
 
+# -- metadata checks: a reader refuses values the writer never writes ------------------------------------------
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -152,7 +152,7 @@ class Writer:
 
     # -- the queue's callbacks (worker thread) ------------------------------------------------------------------
     def __call__(self, item) -> bool:
-        return self.write(item)  # looked up on the instance: tests hold the writer here
+        return self.write(item)  # looked up on the instance, so that a test can hold the writer inside it
 
     def write(self, item) -> bool:
         """Write one queued item; commit when due. Always True: failures are counted in ``lost``."""
