@@ -103,7 +103,8 @@ class NonBlockingSink:
         self._cv = threading.Condition(lock)  # the worker waits here for work
         self._progress = threading.Condition(lock)  # flush() waits here for the worker
         self._closed = False
-        self._markers = 0  # flush markers in the queue (not items)
+        self._markers_in = 0  # flush markers queued (flush, under the lock) and taken (the worker): not items
+        self._markers_out = 0
         self._refusal_logged = False
         self._failure_logged = False
         self.accepted = 0  # items queued (flush markers aside)
@@ -172,7 +173,7 @@ class NonBlockingSink:
     @property
     def pending(self) -> int:
         """Items accepted and not yet handed to the wrapped sink."""
-        return max(0, len(self._queue) - self._markers)
+        return max(0, len(self._queue) - (self._markers_in - self._markers_out))
 
     def flush(self, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -187,7 +188,7 @@ class NonBlockingSink:
                 return self.done >= self.accepted
             marker = _Marker()
             self._queue.append(marker)  # beyond the bound: flush is never refused
-            self._markers += 1
+            self._markers_in += 1
             self._cv.notify()
         return marker.done.wait(max(0.0, deadline - time.monotonic())) and marker.ok
 
@@ -201,7 +202,7 @@ class NonBlockingSink:
         if self._thread.is_alive() or self._thread.ident is None:
             with self._cv:
                 left, self._queue = self._queue, collections.deque()
-                self._markers = 0
+                self._markers_in = self._markers_out
             for x in list(left):
                 if type(x) is _Marker:
                     x.done.set()
@@ -215,29 +216,34 @@ class NonBlockingSink:
 
     # -- worker thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        # The only consumer: it pops without the lock (a deque's popleft is atomic, and nobody else pops), and takes
+        # the lock only to sleep, so that an item costs the worker no lock and no notify.
         worked = False  # items handled since idle() last ran
         idle_at = None  # when idle() asked to run again (monotonic seconds)
         while True:
-            with self._cv:
-                while not self._queue:
-                    if self._closed:
-                        return
-                    if self._idle is not None and (worked or (idle_at is not None and time.monotonic() >= idle_at)):
-                        break
-                    wait = self._poll
-                    if idle_at is not None:
-                        left = max(0.0, idle_at - time.monotonic())
-                        wait = left if wait is None else min(wait, left)
-                    self._cv.wait(wait)
-                item = self._queue.popleft() if self._queue else None
-                if type(item) is _Marker:
-                    self._markers -= 1
-            if item is None:  # the queue ran empty: the wrapped sink's idle work
-                worked = False
-                after = self._call(self._idle, None)
-                idle_at = None if after is None else time.monotonic() + after
+            queue = self._queue
+            if not queue:
+                with self._cv:
+                    while not self._queue:
+                        if self._closed:
+                            return
+                        if self._idle is not None and (
+                            worked or (idle_at is not None and time.monotonic() >= idle_at)
+                        ):
+                            break
+                        wait = self._poll
+                        if idle_at is not None:
+                            left = max(0.0, idle_at - time.monotonic())
+                            wait = left if wait is None else min(wait, left)
+                        self._cv.wait(wait)
+                if not self._queue:  # the queue ran empty: the wrapped sink's idle work
+                    worked = False
+                    after = self._call(self._idle, None)
+                    idle_at = None if after is None else time.monotonic() + after
                 continue
+            item = queue.popleft()
             if type(item) is _Marker:
+                self._markers_out += 1
                 item.ok = bool(self._call(self._on_flush, False)) if self._on_flush is not None else True
                 item.done.set()
                 continue
@@ -259,9 +265,10 @@ class NonBlockingSink:
                         self.name,
                         self.last_error or "refused",
                     )
-            with self._cv:
-                self.done += 1
-                self._progress.notify_all()
+            self.done += 1
+            if self._closed:  # only a flush after close() waits on done (flush markers otherwise)
+                with self._cv:
+                    self._progress.notify_all()
 
     def _call(self, fn, failed):
         try:

@@ -156,15 +156,20 @@ class Writer:
 
     def write(self, item) -> bool:
         """Write one queued item; commit when due. Always True: failures are counted in ``lost``."""
+        plain = type(item) is list  # the usual batch, queued as it is
         if self.failed is not None:
-            self.lost.n += item_events(item)
+            self.lost.n += len(item) >> 1 if plain else len(item[0]) >> 1
             return True
         try:
             if not self._in_txn:
                 self.conn.execute("BEGIN")
                 self._in_txn = True
-            self._uncommitted += item_events(item)
-            urgent = self._write(item, None, None, False) if type(item) is list else self._write(*item)
+            if plain:
+                self._uncommitted += len(item) >> 1
+                urgent = self._write(item, None, None, False)
+            else:
+                self._uncommitted += len(item[0]) >> 1
+                urgent = self._write(*item)
             due = urgent or self._uncommitted >= _COMMIT_ROWS
             self._unclocked += 1
             if not due and self._unclocked >= _CLOCK_EVERY:
