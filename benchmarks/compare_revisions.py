@@ -231,10 +231,14 @@ def main(argv=None) -> str:
     with base_worktree(args.base) as (base_tree, commit):
         samples = measure({"base": base_tree, "head": ROOT}, args)
     rows = compare(samples)
+    what = []
+    if "ops" in args.only:
+        what.append(f"ops: wrapped/bare ratios, over {args.runs} runs of {args.repeats} samples")
+    if "sglang" in args.only:
+        what.append(f"sglang: us per iteration, over {args.pairs} pairs")
     title = (
         f"python -m benchmarks.compare_revisions --base {args.base}{' --quick' if args.quick else ''}: base "
-        f"{commit[:12]}, head {ROOT}; medians (ops: wrapped/bare ratios over {args.runs} runs of {args.repeats} "
-        f"samples; sglang: us per iteration over {args.pairs} pairs); {time.perf_counter() - started:.0f} s"
+        f"{commit[:12]}, head {ROOT}; medians ({'; '.join(what)}); {time.perf_counter() - started:.0f} s"
     )
     out = table(rows, title)
     print(out)
