@@ -94,7 +94,7 @@ def child_env(tree: Path) -> dict:
 
 
 def orders(n: int, start: int = 0) -> list[tuple[str, str]]:
-    """The order of the two trees in each of ``n`` rounds: base first, then head first, and so on."""
+    """The order of the two trees in each of ``n`` runs: base first, then head first, and so on."""
     return [SIDES if (i + start) % 2 == 0 else SIDES[::-1] for i in range(n)]
 
 

@@ -1,9 +1,9 @@
 """The demo's SGLang server: its command line, its environment, and its lifecycle (start, health, failure, stop).
 
-Contract: ``Server`` starts ``python -m sglang.launch_server`` in a process group of its own (the kernel sends it
-SIGTERM if the demo dies), its output in a log file; ``stop`` returns with the group gone (or only zombies left),
-whatever happens meanwhile. ``failed`` is true once the server ended or logged a failed scheduler. The plugin is
-imported in the server's processes from this checkout (``ROOT`` first on their PYTHONPATH).
+Contract: ``Server`` starts ``python -m sglang.launch_server`` in a process group of its own (on Linux the kernel
+sends it SIGTERM if the demo dies), its output in a log file; ``stop`` returns with the group gone (or only zombies
+left), whatever happens meanwhile. ``failed`` is true once the server ended or logged a failed scheduler. The
+plugin is imported in the server's processes from this checkout (``ROOT`` first on their PYTHONPATH).
 """
 
 from __future__ import annotations

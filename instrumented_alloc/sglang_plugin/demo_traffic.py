@@ -2,8 +2,9 @@
 
 Contract: ``Traffic`` sends the stream's requests from ``concurrency`` threads and counts every answer once (done,
 aborted at the end, or failed); ``inject`` sends one tagged request from a thread of its own and writes its result
-into the injection under the caller's lock. ``Recordings`` reads the server's recordings while they grow, and never
-holds one open once ``close`` returned (the run closes them before the server's writers close theirs).
+into the injection under the caller's lock. ``Recordings`` reads the server's recordings while they grow;
+``close`` closes every reader it opened (a later read opens them again): the run closes them before it stops the
+server, so that no reader of ours holds a recording while its writer closes it.
 """
 
 from __future__ import annotations
