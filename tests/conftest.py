@@ -1,5 +1,5 @@
 """Shared test settings: hypothesis profiles (CI runs the "ci" profile: more examples, no deadline; "deep" is for a
-long hunt by hand)."""
+long hunt by hand) and the ``integration``/``slow`` markers (``make test-fast`` runs ``-m "not slow"``)."""
 
 import os
 import socket
@@ -35,3 +35,38 @@ def taken_port():
     yield s.getsockname()[1]
     s.close()
 
+
+
+# The markers (registered in pyproject.toml), applied here by what a test uses rather than in every file:
+# ``integration``: a real external component (an SGLang Engine or server, a Prometheus server, promtool, Chromium,
+# an OTLP receiver, subprocess servers); ``slow``: more than about 5 s. Paths are relative to the repository root;
+# a directory ends with "/". A test file may also mark itself (``pytestmark``) or a test (a decorator).
+_BY_PATH = {
+    "tests/sglang/": ("integration", "slow"),  # an SGLang Engine per module (20-60 s per start)
+    "tests/test_cli_sglang.py": ("integration", "slow"),
+    "tests/dashboard/test_browser.py": ("integration", "slow"),  # streamlit in a subprocess, headless Chromium
+    "tests/grafana/test_integration.py": ("integration", "slow"),  # the demo scraped by a real Prometheus (~1 min)
+    "tests/grafana/test_rules.py": ("integration",),  # promtool
+    "tests/test_soak.py": ("slow",),
+    "tests/allocators/test_differential_sglang.py": ("slow",),  # SGLang's own allocators, call for call
+}
+_BY_FIXTURE = {"prometheus_server": ("integration", "slow")}  # starts a Prometheus server and waits for scrapes
+_BY_MARKER = {"sglang": ("integration", "slow")}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = str(config.rootpath)
+    for item in items:
+        path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        names = set()
+        for prefix, marks in _BY_PATH.items():
+            if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+                names.update(marks)
+        for fixture in set(getattr(item, "fixturenames", ())) & _BY_FIXTURE.keys():
+            names.update(_BY_FIXTURE[fixture])
+        for marker, marks in _BY_MARKER.items():
+            if item.get_closest_marker(marker) is not None:
+                names.update(marks)
+        for name in sorted(names):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
