@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -231,6 +232,67 @@ def test_histogram_sums_across_scrapes():
         assert dict(w.violation_counts) == {}
     finally:
         exp.close()
+
+
+def test_collections_while_the_engine_runs_never_go_back_and_end_exact():
+    # Single-process families are built at collection time from totals the sink writes without a lock: collections
+    # on another thread while the engine runs all succeed, a counter never goes back, and one after the run has
+    # every event.
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu"), mode="record")
+    exp = PrometheusExporter(w, multiprocess=False)
+    reg, stop, seen, errors = exp.registry, threading.Event(), [], []
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                seen.append(reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "full"}))
+                generate_latest(reg)
+            except Exception as exc:  # kept: the assertion below names it
+                errors.append(exc)
+
+    th = threading.Thread(target=scrape)
+    th.start()
+    try:
+        for _ in range(300):
+            w.free(w.alloc(8))  # 2 pages
+            w.step()
+    finally:
+        stop.set()
+        th.join(timeout=30)
+    try:
+        assert errors == [] and exp.last_error is None and exp.sink_errors == 0
+        assert len(seen) > 1 and seen == sorted(seen)
+        assert reg.get_sample_value("kvalloc_pages_allocated_total", {"pool": "full"}) == 600
+        assert reg.get_sample_value("kvalloc_pages_freed_total", {"pool": "full"}) == 600
+        assert reg.get_sample_value("kvalloc_op_duration_seconds_count", {"op": "alloc"}) == 300
+        assert reg.get_sample_value("kvalloc_op_duration_seconds_bucket", {"op": "free", "le": "+Inf"}) == 300
+        assert reg.get_sample_value("kvalloc_overhead_iteration_seconds_count") == 300
+    finally:
+        exp.close()
+
+
+def test_created_series_follow_prometheus_clients_setting(run):
+    # The families carry the samples prometheus_client's own Counter and Histogram would: a _created per counter
+    # and histogram series while those are on (the default), none after disable_created_metrics().
+    from prometheus_client import disable_created_metrics, enable_created_metrics
+
+    _, exp = run()
+
+    def names() -> list[str]:
+        return [s.name for fam in exp.registry.collect() for s in fam.samples]
+
+    was_on = any(n.endswith("_created") for n in names())
+    try:
+        enable_created_metrics()
+        on = names()
+        series = [n for n in on if n.endswith(("_total", "_count")) and n != "kvalloc_events_dropped_total"]
+        assert len([n for n in on if n.endswith("_created")]) == len(series) > 30
+        disable_created_metrics()
+        off = names()
+        assert [n for n in off if n.endswith("_created")] == []
+        assert off == [n for n in on if not n.endswith("_created")]
+    finally:
+        (enable_created_metrics if was_on else disable_created_metrics)()
 
 
 def test_gauges_are_computed_at_scrape_time_not_per_call():
