@@ -2,7 +2,8 @@
 
 The scripted scenario runs on an SWA allocator (two pools, page size 4, 16 full pages and 8 SWA pages, window 8);
 every expected value is derived by hand in ``scenario``'s comments. Tests that need the ``promtool`` or
-``prometheus`` binaries skip when they are missing, and fail instead when CI == "true".
+``prometheus`` binaries skip when they are missing, and fail instead when CI == "true". Marks: ``integration`` on
+tests that run promtool, a Prometheus server or other processes (ranks), ``slow`` on those that start several.
 """
 
 from __future__ import annotations
@@ -359,6 +360,7 @@ def test_violation_exemplar_carries_trace_id(run):
 
 
 # -- 2. promtool -------------------------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_promtool_check_metrics(run):
     promtool = need_binary("promtool")
     _, exp = run()
@@ -467,6 +469,8 @@ def _find(samples: dict, name: str, **labels) -> dict:
     return out
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_multiprocess_two_ranks_aggregate(tmp_path):
     mp_dir = tmp_path / "mp"
     mp_dir.mkdir()
@@ -542,6 +546,7 @@ def _one_rank(tmp_path, child: str):
     return mp_dir, p
 
 
+@pytest.mark.integration
 def test_multiprocess_without_const_labels(tmp_path):
     # A single rank under PROMETHEUS_MULTIPROC_DIR with no const labels: the gauges without labels of their own
     # are their own series (prometheus_client refused .labels() on them, and the constructor failed).
@@ -582,6 +587,7 @@ print("RESULT " + repr([v.invariant for v in w.violations]))
 """
 
 
+@pytest.mark.integration
 def test_multiprocess_histograms_of_an_swa_run(tmp_path):
     mp_dir, p = _one_rank(tmp_path, SWA_CHILD)
     assert p.returncode == 0 and "RESULT ['request_leak']" in p.stdout, p.stderr[-3000:]
@@ -685,6 +691,8 @@ def _pages(mp_dir, tp: str) -> dict:
     return {dict(lab)["state"]: v for lab, v in _find(_mp_samples(mp_dir), "kvalloc_pages", tp_rank=tp).items()}
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_multiprocess_label_set_of_a_live_rank_is_refused(tmp_path):
     # Two live ranks given the same labels (both think they are tp_rank 0) were merged without a word: pages by
     # state summed to twice the capacity.
@@ -710,6 +718,8 @@ def test_multiprocess_label_set_of_a_live_rank_is_refused(tmp_path):
         r.end()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_multiprocess_restarted_rank_takes_over_its_dead_predecessor(tmp_path):
     # A rank killed without cleanup and restarted with its labels: its predecessor's gauges used to be summed with
     # the new process's until a supervisor called mark_process_dead; the new exporter now does it.
@@ -736,6 +746,8 @@ def test_multiprocess_restarted_rank_takes_over_its_dead_predecessor(tmp_path):
         r.end()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_multiprocess_one_server_per_directory(tmp_path):
     # Each serve() exposes every rank of the directory: two servers, both scraped, doubled every sum.
     mp_dir = tmp_path / "mp"
@@ -756,6 +768,7 @@ def test_multiprocess_one_server_per_directory(tmp_path):
         r.end()
 
 
+@pytest.mark.integration
 def test_multiprocess_claims_within_one_process(tmp_path):
     # Two allocators in one process (two DP ranks of one scheduler) given the same labels overwrote each other's
     # counter entries: increments were lost.
@@ -847,6 +860,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.integration
 def test_multiprocess_gauges_catch_up_when_the_engine_goes_idle(tmp_path):
     # A step within refresh_interval of the last refresh is held back; an engine that then goes idle calls nothing
     # that would refresh: the gauges showed the old state for as long as it stayed idle.
@@ -972,6 +986,7 @@ def _on_small_tmpfs(tmp_path, script: str, size: str) -> tuple[int, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.integration
 def test_multiprocess_full_disk_never_kills_the_engine(tmp_path):
     # 4 files of 64 KiB reserved at construction (counters, histograms, two gauge modes) fit in 320 KiB.
     rc, stdout, stderr = _on_small_tmpfs(tmp_path, DISK_FULL_CHILD, "320k")
@@ -1064,6 +1079,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.integration
 def test_multiprocess_exporter_lifecycle(tmp_path):
     _, p = _one_rank(tmp_path, LIFECYCLE_CHILD)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -1103,6 +1119,7 @@ x.close()
 """
 
 
+@pytest.mark.integration
 def test_multiprocess_close_in_a_forked_child_leaves_the_parent_alone(tmp_path):
     # The child's close() used to remove the parent's server claim, write the parent's label set into the child's
     # own files (pages doubled for good) and hang in the HTTP server's shutdown.
@@ -1164,6 +1181,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.integration
 def test_multiprocess_refresh_with_many_new_series_on_a_full_disk(tmp_path):
     # One refresh that brings more new series than the headroom reserved at its start (here 400 sinks that
     # appeared while refreshes were held back; in a run, a refresh thread and a step racing for the refresh):
