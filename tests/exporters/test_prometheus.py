@@ -154,6 +154,36 @@ def test_values_after_scripted_scenario(run):
     assert sample(reg, "kvalloc_op_duration_seconds_count", op="free_swa_segment") == 1
 
 
+def test_the_metric_catalog_is_stable(run):
+    # The catalog is public (the dashboard, the alert rules and users' queries read it): every family, in
+    # exposition order, with its type and its own labels (the const labels aside).
+    _, exp = run()
+    got = [
+        (fam.name, fam.type, tuple(sorted({k for s in fam.samples for k in s.labels} - set(CONST) - {"le"})))
+        for fam in exp.registry.collect()
+    ]
+    assert got == [
+        ("kvalloc_invariant_violations", "counter", ("invariant",)),
+        ("kvalloc_alloc_failures", "counter", ("op", "pool")),
+        ("kvalloc_pages_allocated", "counter", ("pool",)),
+        ("kvalloc_pages_freed", "counter", ("pool",)),
+        ("kvalloc_swa_evicted_tokens", "counter", ()),
+        ("kvalloc_op_duration_seconds", "histogram", ("op",)),
+        ("kvalloc_request_pages", "histogram", ("pool",)),
+        ("kvalloc_overhead_seconds", "counter", ("part",)),
+        ("kvalloc_overhead_iteration_seconds", "histogram", ()),
+        ("kvalloc_pages", "gauge", ("pool", "state")),
+        ("kvalloc_page_size_tokens", "gauge", ()),
+        ("kvalloc_requests_live", "gauge", ()),
+        ("kvalloc_internal_fragmentation_ratio", "gauge", ("pool",)),
+        ("kvalloc_external_fragmentation_ratio", "gauge", ("pool",)),
+        ("kvalloc_free_runs", "gauge", ("pool",)),
+        ("kvalloc_largest_free_run_pages", "gauge", ("pool",)),
+        ("kvalloc_swa_outside_window_tokens", "gauge", ()),
+        ("kvalloc_events_dropped", "counter", ("sink",)),
+    ]
+
+
 def test_op_duration_histogram_is_the_events_durations_in_seconds():
     # The histogram observes each inner call's own duration, in seconds: a list sink on the same allocator sees
     # the events the exporter aggregates (the full pool's Alloc/Free of each call, and the SWA-only frees).
