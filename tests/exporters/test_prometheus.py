@@ -532,6 +532,28 @@ def test_refresh_interval_must_be_finite(bad):
         PrometheusExporter(make_alloc(), refresh_interval=bad)
 
 
+def test_the_exporter_touches_no_private_attribute_of_prometheus_client():
+    # Every private name the package reads or writes (``obj._x``, ``getattr(obj, "_x")``) is one it defines
+    # itself, or the wrapper's lock (``close()`` asks whether its caller holds it): none of prometheus_client's.
+    import ast
+
+    package = REPO / "exporters" / "prometheus"
+    trees = [ast.parse(f.read_text()) for f in sorted(package.glob("*.py"))]
+    defined, used = set(), set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                used.add(node.attr)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+                used.update(a.value for a in node.args[1:2] if isinstance(a, ast.Constant))
+    private = {n for n in used if isinstance(n, str) and n.startswith("_") and not n.startswith("__")}
+    assert private - defined == {"_w_lock", "_is_owned"}
+
+
 # -- 5. label cardinality ----------------------------------------------------------------------------------------
 def test_no_label_is_a_request_id(run):
     _, exp = run()
