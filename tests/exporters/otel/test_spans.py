@@ -1,0 +1,974 @@
+"""DOC"""
+
+
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from exporters.otel import OtelExporter
+from instrumented_alloc import InstrumentedAllocator, Violation
+from instrumented_alloc.allocators import (
+    PagedTokenToKVPoolAllocator,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from instrumented_alloc.events import RequestReleased, ViolationEvent
+from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
+from tests.engine_model import Req, extend_args, t
+from tests.exporters.otel.helpers import (
+    HASH_KEY,
+    PS,
+    _all_span_text,
+    _demo_spans,
+    _equivalence_scenario,
+    _from_sdk,
+    _pseudonym,
+    _received_events,
+    _three_requests,
+    decode,
+    events,
+    extend,
+    fold_in,
+    hex_id,
+    paged,
+    request_spans,
+)
+from tests.otlp_receiver import Receiver
+
+
+def test_request_spans_scripted(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [6, 9])
+    w.step()
+    for _ in range(3):
+        decode(w, [a, b])
+        w.step()
+    # a finishes cleanly.
+    w.free(t(a.row))
+    w.release_request("a")
+    # b: a double free of its first page (named after the page's last owner, b), a rejected ledger write, and a
+    # release while still owning two pages.
+    w.free(t(b.row[:4]))
+    w.free(t(b.row[:4]))
+    w.ledger["b"].kv_committed_len = 99
+    w.release_request("b")
+    w.step()
+
+    spans = mem.get_finished_spans()
+    assert sorted(s.name for s in spans) == ["kv.request", "kv.request"]
+    reqs = request_spans(mem)
+    sa, sb = reqs["a"], reqs["b"]
+    assert dict(sa.attributes) == {
+        "kv.request.id": "a",
+        "kv.page_size": PS,
+        "kv.allocated_len": 12,  # 6 + 3 decodes = 9 tokens, 3 pages
+        "kv.committed_len": 9,
+        "kv.swa_evicted_seqlen": 0,
+        "kv.pages.peak": 3,
+        "kv.pages.held_at_release": 0,
+        "kv.violations": 0,
+        "kv.decode_steps": 3,
+        "kv.events_dropped": 0,
+    }
+    assert events(sa) == [
+        ("kv.prefill", {"kv.op": "alloc_extend", "kv.step": 0, "kv.n_slots": 6, "kv.n_pages": 2, "kv.batch_size": 2}),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 3, "kv.step": 4}),
+    ]
+    assert sa.status.status_code in (StatusCode.UNSET, StatusCode.OK)
+
+    assert dict(sb.attributes) == {
+        "kv.request.id": "b",
+        "kv.page_size": PS,
+        "kv.allocated_len": 12,
+        "kv.committed_len": 12,
+        "kv.swa_evicted_seqlen": 0,
+        "kv.pages.peak": 3,
+        "kv.pages.held_at_release": 2,
+        "kv.violations": 3,
+        "kv.decode_steps": 3,
+        "kv.events_dropped": 0,
+    }
+    assert [name for name, _ in events(sb)] == [
+        "kv.prefill",
+        "kv.violation",
+        "kv.violation",
+        "kv.violation",
+        "kv.release",
+    ]
+    assert events(sb, "kv.prefill")[0][1]["kv.n_slots"] == 9
+    (_, v0), (_, v1), (_, v2) = events(sb, "kv.violation")
+    assert v0["kv.violation.invariant"] == "double_free"
+    assert v1["kv.violation.invariant"] == "kv_committed_le_allocated"
+    assert v2["kv.violation.invariant"] == "request_leak"
+    assert v2["kv.violation.message"] == (
+        "request 'b' released while still owning 2 pages, neither freed nor handed to the prefix cache "
+        "(full: [4, 5] (2 pages))"
+    )
+    assert events(sb, "kv.release") == [("kv.release", {"kv.pages_held": 2, "kv.pages_peak": 3, "kv.step": 4})]
+    assert sb.status.status_code is StatusCode.ERROR
+    assert sb.status.description.startswith("double_free: ")
+    # Decode allocations are counted, never evented.
+    for s in (sa, sb):
+        assert {name for name, _ in events(s)} <= {"kv.prefill", "kv.violation", "kv.release"}
+
+    # Violation records carry the trace id of their request's span.
+    vs = list(w.violations)
+    assert [v.invariant for v in vs] == ["double_free", "kv_committed_le_allocated", "request_leak"]
+    assert vs[0].rid == "b"
+    assert vs[0].trace_id == vs[1].trace_id == vs[2].trace_id == hex_id(sb)
+    assert len(vs[1].trace_id) == 32
+    assert hex_id(sa) != hex_id(sb)
+    assert w.bus.dropped["otel"] == 0 and exp.errors == 0
+    assert exp.open_requests == 0
+
+
+def test_violation_in_first_call_opens_the_span(memory):
+    """A violation raised by a request's very first allocation already carries that request's trace id."""
+    provider, mem = memory
+    w = paged()
+    OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [6])
+    used_page = a.row[0] // PS
+    w.inner.free_pages = torch.cat([t([used_page]), w.inner.free_pages[1:]])  # an allocator bug
+    c = Req("c")
+    extend(w, [c], [4])
+    (v,) = w.violations
+    assert (v.invariant, v.rid) == ("duplicate_allocation", "c")
+    assert w.ledger["c"].kv_allocated_len == 4
+    w.release_request("c")  # c still owns its (shared) page: a leak too
+    sc = request_spans(mem)["c"]
+    assert v.trace_id == hex_id(sc)
+    assert [name for name, _ in events(sc)] == ["kv.violation", "kv.prefill", "kv.violation", "kv.release"]
+    assert sc.attributes["kv.violations"] == 2
+    assert sc.status.status_code is StatusCode.ERROR
+
+
+def test_page_size_one_alloc_prefill_decode_and_retraction(memory):
+    """At page size 1 SGLang allocates prefill and decode with alloc(n): a one-slot alloc of a request that
+    already holds KV is a decode. A retracted (freed, not released) request's re-prefill is measured from its
+    current record."""
+    provider, mem = memory
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu"), mode="record")
+    OtelExporter(w, tracer_provider=provider)
+    with w.batch(["a", "b"], lens=[3, 5]):
+        ab = w.alloc(8)
+    for _ in range(2):
+        with w.batch(["a", "b"]):
+            ab = torch.cat([ab, w.alloc(2)])
+        w.step()
+    a_slots = ab[[0, 1, 2, 8, 10]]
+    w.free(a_slots)  # retract a: all its KV freed, the request is not released
+    with w.batch(["a"]):
+        a_slots = w.alloc(5)  # re-prefill its 5 tokens
+    w.free(a_slots)
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert events(sa) == [
+        ("kv.prefill", {"kv.op": "alloc", "kv.step": 0, "kv.n_slots": 3, "kv.n_pages": 3, "kv.batch_size": 2}),
+        ("kv.prefill", {"kv.op": "alloc", "kv.step": 2, "kv.n_slots": 5, "kv.n_pages": 5}),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 5, "kv.step": 2}),
+    ]
+    assert sa.attributes["kv.decode_steps"] == 2
+    assert sa.attributes["kv.committed_len"] == sa.attributes["kv.allocated_len"] == 5
+    assert not w.violations
+
+
+def test_prefill_of_new_requests_with_a_cached_prefix(memory):
+    """A new request whose prompt prefix is cached (a radix cache hit: alloc_extend with prefix_lens > 0 for a
+    request the allocator never saw): its ledger share would overcount, so the prefill event gives the call's
+    own slots and new pages, alone (kv.n_*) or for a batch of two (kv.batch_n_*)."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    p = Req("p")
+    extend(w, [p], [8])  # 8 tokens, 2 full pages, kept in the prefix cache
+    w.step()
+    # q: prefix 8 cached, 6 new tokens (positions 8..13): 6 slots on 2 new pages.
+    q = Req("q", row=list(p.row))
+    extend(w, [q], [6])
+    # r and s in one batch, each prefix 8 cached, 5 and 3 new tokens: 8 slots on 2 + 1 = 3 new pages.
+    r, s = Req("r", row=list(p.row)), Req("s", row=list(p.row))
+    extend(w, [r, s], [5, 3])
+    for x in (q, r, s):
+        w.release_request(x.rid)
+    exp.shutdown()
+    spans = request_spans(mem)
+    assert events(spans["q"], "kv.prefill") == [
+        ("kv.prefill", {"kv.op": "alloc_extend", "kv.step": 1, "kv.n_slots": 6, "kv.n_pages": 2})
+    ]
+    batch = {"kv.op": "alloc_extend", "kv.step": 1, "kv.batch_size": 2, "kv.batch_n_slots": 8, "kv.batch_n_pages": 3}
+    assert events(spans["r"], "kv.prefill") == events(spans["s"], "kv.prefill") == [("kv.prefill", batch)]
+
+
+def test_events_per_span_are_bounded(memory):
+    provider, mem = memory
+    w = paged()
+    OtelExporter(w, tracer_provider=provider, max_events_per_span=3)
+    a = Req("a")
+    for _ in range(5):  # chunked prefill: five prefill events
+        extend(w, [a], [4])
+        w.step()
+    for _ in range(6):
+        decode(w, [a])
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    # The first two prefills, then the release in the place kept for it.
+    assert [name for name, _ in events(sa)] == ["kv.prefill", "kv.prefill", "kv.release"]
+    assert [e["kv.step"] for _, e in events(sa, "kv.prefill")] == [0, 1]
+    assert sa.attributes["kv.events_dropped"] == 3
+    assert sa.attributes["kv.decode_steps"] == 6
+    assert sa.attributes["kv.allocated_len"] == 28 and sa.attributes["kv.committed_len"] == 26
+    assert sa.attributes["kv.pages.peak"] == 7
+
+
+def test_violation_without_request_gets_its_own_span(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    w.free_page_ids(t([12]))  # never handed out
+    (s,) = mem.get_finished_spans()
+    assert s.name == "kv.violation"
+    assert s.status.status_code is StatusCode.ERROR
+    assert s.attributes["kv.violation.invariant"] == "free_unallocated"
+    assert s.attributes["kv.violation.op"] == "free_page_ids"
+    assert s.attributes["kv.violation.pool"] == "full"
+    assert s.attributes["kv.violation.message"] == w.violations[0].message
+    assert s.end_time is not None and s.parent is None
+    assert exp.open_requests == 0
+
+
+def test_late_violation_of_a_released_request_joins_its_trace(memory):
+    """A violation naming a request whose span ended (e.g. a later sweep's leak) lands in that trace."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert exp.trace_id_for("a") == hex_id(sa)
+    assert exp([ViolationEvent(seq=1, ts=0.0, step=9, violation=Violation("request_leak", "late", rid="a"))])
+    late = mem.get_finished_spans()[-1]
+    assert late.name == "kv.violation"
+    assert late.context.trace_id == sa.context.trace_id
+    assert late.parent.span_id == sa.context.span_id
+    assert late.attributes["kv.request.id"] == "a"
+    assert exp.trace_id_for("never-seen") is None
+
+
+def test_sink_failure_never_reaches_the_allocator(memory, monkeypatch):
+    provider, _ = memory
+    w = paged()
+    bare = PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu")
+    exp = OtelExporter(w, tracer_provider=provider)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("tracer down")
+
+    monkeypatch.setattr(exp._tracer, "start_span", boom)
+    a = Req("a")
+    out = extend(w, [a], [6])
+    assert torch.equal(out, bare.alloc_extend(*extend_args([Req("a")], [6])))
+    assert exp.errors == 1 and "tracer down" in exp.last_error
+    assert w.bus.dropped["otel"] > 0
+    assert w.violations == type(w.violations)(maxlen=w.violations.maxlen)  # nothing recorded
+
+
+def test_shutdown_detaches_and_ends_open_spans(memory):
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    a = Req("a")
+    extend(w, [a], [6])
+    assert exp.open_requests == 1 and not mem.get_finished_spans()
+    assert exp.shutdown(timeout_millis=1000)
+    (sa,) = mem.get_finished_spans()
+    assert sa.attributes["kv.open_at_shutdown"] is True
+    assert sa.attributes["kv.allocated_len"] == 8
+    assert exp not in w.bus.sinks and w.trace_id_for is None
+    decode(w, [a])  # the wrapper goes on without the exporter
+    assert len(mem.get_finished_spans()) == 1
+
+
+def test_swa_prealloc_and_evictions(memory):
+    provider, mem = memory
+    w = InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(64, 64, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
+    )
+    OtelExporter(w, tracer_provider=provider)
+    tail = swa_tail_len(20, 8, PS)
+    assert tail == 8
+    p = Req("p", row=alloc_for_decode_prealloc(w, rid="p", fill_len=20, swa_tail_len=tail).tolist())
+    w.step()
+    for _ in range(4):  # 24 tokens
+        decode(w, [p])
+        w.step()
+    w.free_swa_segment(t(p.row[12:16]), start_pos=12)
+    w.ledger["p"].swa_evicted_seqlen = 16
+    w.step()
+    # A second, ordinary request, decoding past two eviction points.
+    q = Req("q")
+    extend(w, [q], [10])
+    for _ in range(6):  # 16 tokens: the window allows evicting 4, then 8
+        decode(w, [q])
+        if q.seq in (12, 16):
+            done = w.ledger["q"].swa_evicted_seqlen
+            w.free_swa_segment(t(q.row[done : q.seq - 8]), start_pos=done)
+            w.ledger["q"].swa_evicted_seqlen = q.seq - 8
+        w.step()
+    w.free(t(p.row))
+    w.release_request("p")
+    w.free(t(q.row))
+    w.release_request("q")
+    assert not w.violations
+
+    reqs = request_spans(mem)
+    sp, sq = reqs["p"], reqs["q"]
+    assert events(sp) == [
+        (
+            "kv.prealloc",
+            {"kv.op": "alloc_extend_swa_tail", "kv.step": 0, "kv.n_slots": 20, "kv.n_pages": 5, "kv.swa_tail_len": 8},
+        ),
+        (
+            "kv.swa_evict",
+            {"kv.swa_evicted_seqlen.old": 0, "kv.swa_evicted_seqlen.new": 12, "kv.n_pages": 3, "kv.step": 0},
+        ),
+        (
+            "kv.swa_evict",
+            {"kv.swa_evicted_seqlen.old": 12, "kv.swa_evicted_seqlen.new": 16, "kv.n_pages": 1, "kv.step": 5},
+        ),
+        ("kv.release", {"kv.pages_held": 0, "kv.pages_peak": 6, "kv.step": 12}),
+    ]
+    assert sp.attributes["kv.swa_evicted_seqlen"] == 16
+    assert sp.attributes["kv.allocated_len"] == 24 and sp.attributes["kv.committed_len"] == 24
+    assert sp.attributes["kv.decode_steps"] == 4
+    assert sp.status.status_code is StatusCode.UNSET
+
+    assert [name for name, _ in events(sq)] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict", "kv.release"]
+    assert [
+        (e["kv.swa_evicted_seqlen.old"], e["kv.swa_evicted_seqlen.new"], e["kv.n_pages"])
+        for _, e in events(sq, "kv.swa_evict")
+    ] == [(0, 4, 1), (4, 8, 1)]
+    assert sq.attributes["kv.swa_evicted_seqlen"] == 8
+    assert sq.attributes["kv.decode_steps"] == 6
+    assert sq.attributes["kv.committed_len"] == 16
+
+
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_swa_evictions_leave_the_decode_fold_open(memory, where):
+    """An SWA eviction of an open request (its ``swa_evicted_seqlen`` write and ``SwaEvict``) reads no record's
+    values: the decode fold stays open across it. Folded by the exporter (per-decode updates delivered), the write
+    is deferred and replayed at the flush where per-event updates put it: after the folded decodes' values when it
+    is the later (a release right after the eviction), or replaced by a later decode's values (the decode carries
+    the ledger as of its call), or applied whatever the decodes when it names a request they do not (one that
+    holds KV but does not decode). Folded by the wrapper, the eviction's free of SWA pages changes no ledger value
+    and leaves its fold open too; the write arrives first and the fold, built later, carries the values with it.
+    The spans are the same either way."""
+    provider, mem = memory
+    w = InstrumentedAllocator(
+        SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
+    )
+    exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
+    p, q, r = Req("p"), Req("q"), Req("r")
+    extend(w, [p, q, r], [10, 10, 14])
+
+    def evict(req, upto):
+        done = w.ledger[req.rid].swa_evicted_seqlen
+        w.free_swa_segment(t(req.row[done:upto]), start_pos=done)
+        w.ledger[req.rid].swa_evicted_seqlen = upto
+
+    for _ in range(6):  # p and q from 10 to 16 tokens; r holds its 14 and does not decode
+        decode(w, [p, q])
+        w.step()
+        if p.seq == 12:
+            evict(p, 4)
+            evict(q, 4)
+            evict(r, 4)  # a request the decodes do not name
+            if where == "exporter":
+                assert exp._dec is not None and len(exp._dec[3]) == 3  # the fold stays open, the writes deferred
+            else:
+                assert exp._dec is None and w._w_st.fold[2] == 2  # the wrapper's fold stays open: two decodes
+    evict(p, 8)  # after the latest decode: the value p's span ends with
+    w.free(t(p.row))
+    w.release_request("p")
+    w.free(t(q.row))
+    w.release_request("q")
+    w.free(t(r.row))
+    w.release_request("r")
+    assert not w.violations
+    spans = request_spans(mem)
+    got = {
+        rid: tuple(spans[rid].attributes[k] for k in ("kv.swa_evicted_seqlen", "kv.decode_steps", "kv.allocated_len"))
+        for rid in "pqr"
+    }
+    assert got == {"p": (8, 6, 16), "q": (4, 6, 16), "r": (4, 0, 16)}
+    assert [n for n, _ in events(spans["p"])] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict", "kv.release"]
+    assert [n for n, _ in events(spans["r"])] == ["kv.prefill", "kv.swa_evict", "kv.release"]
+
+
+def test_hashed_request_ids_in_spans(memory):
+    """str and int ids: kv.request.id, violation messages (on the request span, on a violation span of its own) and
+    status descriptions carry the pseudonym; trace_id_for still takes the raw id."""
+    from instrumented_alloc.redact import RequestIdHasher
+
+    provider, mem = memory
+    w = paged(64)
+    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=RequestIdHasher(HASH_KEY))
+    ok, leaky, num = Req("secret-ok-0001"), Req("secret-leaky-0002"), Req(123456789)
+    extend(w, [ok, leaky, num], [5, 6, 3])
+    decode(w, [ok, leaky, num])
+    trace_ok = exp.trace_id_for("secret-ok-0001")  # the raw id: what the wrapper and the exemplars ask with
+    assert trace_ok is not None and exp.trace_id_for(_pseudonym("secret-ok-0001")) is None
+    w.free(t(ok.row))
+    w.release_request(ok.rid)
+    w.release_request(leaky.rid)  # still owns two pages: request_leak, on its span
+    w.free(t(num.row))
+    w.release_request(num.rid)
+    with pytest.raises(ValueError):
+        w.release_request("secret-ghost-0003")  # unknown: a kv.violation span of its own
+    assert [(v.invariant, v.rid) for v in w.violations] == [
+        ("request_leak", "secret-leaky-0002"),
+        ("invalid_argument", "secret-ghost-0003"),
+    ]
+    assert w.violations[0].trace_id == exp.trace_id_for("secret-leaky-0002") is not None
+
+    spans = request_spans(mem)
+    assert sorted(spans) == sorted(_pseudonym(r) for r in ("secret-ok-0001", "secret-leaky-0002", "123456789"))
+    assert hex_id(spans[_pseudonym("secret-ok-0001")]) == trace_ok
+    p_leaky = _pseudonym("secret-leaky-0002")
+    leak_span = spans[p_leaky]
+    leak_msg = (
+        f"request {p_leaky!r} released while still owning 2 pages, neither freed nor handed to the prefix cache "
+        "(full: [3, 4] (2 pages))"
+    )
+    assert leak_span.status.status_code == StatusCode.ERROR
+    assert leak_span.status.description == f"request_leak: {leak_msg}"
+    assert events(leak_span, "kv.violation") == [
+        (
+            "kv.violation",
+            {
+                "kv.violation.invariant": "request_leak",
+                "kv.violation.message": leak_msg,
+                "kv.violation.severity": "error",
+                "kv.violation.op": "release",
+                "kv.step": 0,
+                "kv.violation.pool": "full",
+            },
+        )
+    ]
+    (ghost,) = [s for s in mem.get_finished_spans() if s.name == "kv.violation"]
+    ghost_msg = f"release_request: rid: unknown request id {_pseudonym('secret-ghost-0003')!r}"
+    assert dict(ghost.attributes) == {
+        "kv.violation.invariant": "invalid_argument",
+        "kv.violation.message": ghost_msg,
+        "kv.violation.severity": "error",
+        "kv.violation.op": "release_request",
+        "kv.step": 0,
+        "kv.request.id": _pseudonym("secret-ghost-0003"),
+    }
+    assert ghost.status.description == f"invalid_argument: {ghost_msg}"
+    text = _all_span_text(mem.get_finished_spans())
+    for raw in ("secret-ok-0001", "secret-leaky-0002", "secret-ghost-0003", "123456789", "secret"):
+        assert raw not in text, raw
+    exp.shutdown()
+
+
+def test_recorder_and_spans_agree_on_pseudonyms(memory, tmp_path):
+    """One hasher shared by the recorder and the OTel exporter: a recording and the spans join on the pseudonym."""
+    from exporters.recorder import FlightRecorder, Recording
+    from instrumented_alloc.redact import RequestIdHasher
+
+    provider, mem = memory
+    h = RequestIdHasher(HASH_KEY)
+    w = paged(64)
+    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=h)
+    rec = FlightRecorder(w, tmp_path / "r.db", hash_request_ids=h)
+    reqs = [Req("alpha-request"), Req(42)]
+    extend(w, reqs, [5, 9])
+    decode(w, reqs)
+    w.step()
+    for r in reqs:
+        w.free(t(r.row))
+        w.release_request(r.rid)
+    w.step()
+    rec.close()
+    exp.shutdown()
+    with Recording(tmp_path / "r.db") as r:
+        released = [e.rid for e in r.events(kinds=[RequestReleased])]
+    assert released == [_pseudonym("alpha-request"), _pseudonym(42)]
+    assert sorted(request_spans(mem)) == sorted(released)
+
+
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory, where):
+    """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
+    the same object; steps between them: events this sink does not read) are folded into one pending update, the
+    first decode too when every span is open; a decode of a different batch or a release applies it first (the
+    frees before a release build no event for this sink: ``free_ledgers = False``).
+    The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
+    the slots of whole pages reserved, page size 4). The wrapper folds the same runs (the equal ids bind the same
+    slots array while no request joins or leaves the ledger): it builds the fold at the next decode of another
+    batch or at the free."""
+    provider, mem = memory
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
+    folds = w._w_st if where == "wrapper" else None
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    for _ in range(3):
+        decode(w, [a, b])  # a new list, so a new rids tuple, each time
+        w.step()
+    if folds is None:
+        assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
+    else:
+        assert exp._dec is None and folds.fold[2] == 3
+    decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
+    if folds is None:
+        assert exp._dec[0] == ("b",) and exp._dec[2] == 1
+    else:
+        assert folds.fold[1] == ("b",) and folds.fold[2] == 1
+        assert request_spans(mem) == {}  # the first fold was applied: no span ended
+    for _ in range(2):
+        decode(w, [a, b])
+        w.step()
+    assert (exp._dec if folds is None else folds.fold)[2] == 2
+    w.free(t(a.row))
+    if folds is None:
+        assert exp._dec[2] == 2  # nothing delivered to this sink
+    else:
+        assert folds.fold is None  # built before the free changed a's values, delivered with the free
+    w.release_request("a")
+    assert exp._dec is None
+    w.free(t(b.row))
+    w.release_request("b")
+    spans = request_spans(mem)
+    sa, sb = spans["a"].attributes, spans["b"].attributes
+    assert (sa["kv.decode_steps"], sa["kv.allocated_len"], sa["kv.committed_len"]) == (5, 12, 10)
+    assert (sb["kv.decode_steps"], sb["kv.allocated_len"], sb["kv.committed_len"]) == (6, 16, 13)
+    assert [n for n, _ in events(spans["a"])] == [n for n, _ in events(spans["b"])] == ["kv.prefill", "kv.release"]
+    assert not w.violations
+
+
+@pytest.mark.parametrize("where", ["exporter", "wrapper"])
+def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory, where):
+    """An exporter attached after a request's prefill first sees it at a decode: folding itself, that decode opens
+    the span and is applied at once (not folded: no span to fold into yet); the next equal decodes fold into it.
+    With the wrapper folding, the span opens when the fold arrives (here with the free); the spans are the same."""
+    provider, mem = memory
+    w = paged()
+    a, b = Req("a"), Req("b")
+    extend(w, [a, b], [5, 7])
+    exp = OtelExporter(w, tracer_provider=provider)
+    fold_in(w, where)
+    decode(w, [a, b])
+    if where == "exporter":
+        assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
+    else:
+        assert exp.open_requests == 0 and w._w_st.fold[2] == 1
+    decode(w, [a, b])
+    decode(w, [a, b])
+    assert (exp._dec[2] == 2) if where == "exporter" else (w._w_st.fold[2] == 3)
+    w.free(t(a.row))
+    w.release_request("a")
+    sa = request_spans(mem)["a"]
+    assert (sa.attributes["kv.decode_steps"], sa.attributes["kv.allocated_len"], sa.attributes["kv.committed_len"]) == (
+        3,
+        8,
+        8,
+    )
+    assert [n for n, _ in events(sa)] == ["kv.release"]
+    assert not w.violations
+
+
+def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_they_are():
+    """The exporter declares ``decode_allocs = False`` (decodes are counted from their LedgerUpdate): alone, the
+    wrapper builds no ``alloc_decode`` Alloc for it; with a sink that reads every event, it receives them and
+    ignores them. The spans are the same either way, attribute for attribute, event for event."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        """Keeps every event; with ``like_otel``, declares what the exporter declares (so builds nothing more)."""
+
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        w = InstrumentedAllocator(
+            SWATokenToKVPoolAllocator(256, 256, PS, torch.float16, "cpu", None, False),
+            mode="record",
+            sliding_window=8,
+            sinks=extra,
+        )
+        exp = OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)  # what the exporter received
+        w.subscribe(seen)
+        _equivalence_scenario(w, exp)
+        exp.shutdown(timeout_millis=5000)
+        spans = _from_sdk(
+            exporter.get_finished_spans(), lambda s: s.resource.attributes.get("service.name"), lambda s: None
+        )
+        provider.shutdown()
+        decode_allocs = [e for e in seen.events if type(e) is ev.Alloc and e.op == "alloc_decode"]
+        return [
+            {k: v for k, v in r.items() if k not in ("trace", "id", "times", "parent")} for r in spans
+        ], decode_allocs
+
+    alone, none_built = run([])
+    with_keeper, built = run([Keep()])
+    assert none_built == [] and len(built) == 6 * 2  # six decodes, two pools each
+    assert alone == with_keeper
+    assert sorted(r["attributes"].get("kv.decode_steps", -1) for r in alone if r["name"] == "kv.request") == [
+        6,
+        6,
+        6,
+        6,
+        6,
+    ]
+
+
+@pytest.mark.parametrize("verify", ["immediate", "deferred"])
+def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_they_are(verify):
+    """The exporter declares ``free_ledgers = False``: alone, the wrapper builds no LedgerUpdate of a free for it
+    (a free call delivers nothing) and keeps the values each would have carried in ``bus.skipped_frees`` until the
+    release; the exporter measures a request's next allocation from them. With a sink that reads every event, it
+    receives the frees' updates instead. The spans are the same either way, attribute for attribute, event for
+    event: a retracted request's re-prefill, a partial free followed by a decode (the free's values are older than
+    the decode's: not used) and by an extend (used), in immediate and deferred verification."""
+    from instrumented_alloc import events as ev
+
+    class Keep:
+        name = "keep"
+
+        def __init__(self, like_otel=False):
+            self.events = []
+            if like_otel:
+                self.event_types = OtelExporter.event_types
+                self.decode_allocs = OtelExporter.decode_allocs
+                self.free_ledgers = OtelExporter.free_ledgers
+
+        def __call__(self, batch):
+            self.events.extend(batch)
+
+    def run(extra):
+        mem = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        w = InstrumentedAllocator(
+            PagedTokenToKVPoolAllocator(128, PS, torch.float16, "cpu"), mode="record", verify=verify, sinks=extra
+        )
+        OtelExporter(w, tracer_provider=provider)
+        seen = Keep(like_otel=True)
+        w.subscribe(seen)
+        # Two requests per allocation: a share measured from the wrong values makes the shares miss the call's
+        # total, and the event then carries the batch's figures instead of the request's.
+        a, b, c = Req("a"), Req("b"), Req("c")
+        extend(w, [a, b, c], [5, 7, 6])
+        for _ in range(2):
+            decode(w, [a, b, c])
+            w.step()
+        w.free(t(a.row))  # retract a: all its KV freed, not released
+        w.step()
+        a.row = []
+        extend(w, [a, c], [6, 2])  # a's re-prefill: 6 slots, measured from the free's values (0)
+        w.free(t(b.row[8:]))  # b's last page (slot 8): its record shrinks to 8
+        w.step()
+        b.row = b.row[:8]
+        decode(w, [b])  # newer than the free: b's next extend is measured from this decode (9)
+        extend(w, [b, c], [3, 1])
+        w.step()
+        w.free(t(b.row[8:]))  # back to 8 tokens, then an extend measured from the free
+        w.step()
+        b.row = b.row[:8]
+        extend(w, [b, c], [2, 1])
+        w.step()
+        skipped_live = dict(w.bus.skipped_frees)
+        for r in (a, b, c):
+            w.free(t(r.row))
+            w.step()
+            w.release_request(r.rid)
+        w.step()
+        assert not w.violations
+        assert w.bus.skipped_frees == {}  # each entry dropped at its request's release
+        spans = request_spans(mem)
+        provider.shutdown()
+        free_updates = [e for e in seen.events if type(e) is ev.LedgerUpdate and not e.op.startswith("alloc")]
+        return spans, free_updates, skipped_live
+
+    alone, none_built, skipped = run([])
+    with_keeper, built, none_kept = run([Keep()])
+    assert none_built == [] and len(built) == 6
+    assert len(skipped) == 2 and none_kept == {}  # a's and b's slots, until their release
+    assert alone.keys() == with_keeper.keys() == {"a", "b", "c"}
+    for rid in alone:
+        x, y = alone[rid], with_keeper[rid]
+        assert list(x.attributes.items()) == list(y.attributes.items())
+        assert [(e.name, list(e.attributes.items())) for e in x.events] == [
+            (e.name, list(e.attributes.items())) for e in y.events
+        ]
+    assert [e["kv.n_slots"] for _, e in events(alone["a"], "kv.prefill")] == [5, 6]
+    assert [e["kv.n_slots"] for _, e in events(alone["b"], "kv.prefill")] == [7, 3, 2]
+    assert [e["kv.n_slots"] for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "preset, page_size, seed, inject, verify",
+    [
+        ("swa-128", None, 2, ("double-free@60", "swa-misaligned@120"), "immediate"),
+        ("dense", 1, 1, ("leak@50", "duplicate-alloc@90"), "deferred"),
+        ("pd-decode", None, 3, ("segment-unaligned@70",), "immediate"),
+        ("swa-1024", None, 4, ("swa-inside-window@80", "alloc-len-misaligned@40"), "deferred"),
+        ("dense", 64, 5, ("double-free@30", "leak@100"), "immediate"),
+    ],
+)
+def test_demo_spans_are_the_same_on_every_path(preset, page_size, seed, inject, verify):
+    """Faulted demo runs (continuous batching, chunked prefill, retraction, SWA eviction, the injected faults):
+    our own provider alone, the same beside a sink that has every kind built (the frees' LedgerUpdates arrive
+    instead of ``bus.skipped_frees``, decode Allocs arrive and are ignored) and the SDK's own spans give the same
+    spans, attribute for attribute and event for event. A differential fuzz of 131 such runs (random presets,
+    page sizes, seeds, one to three faults, both verification modes) found no difference; these are five."""
+    own, violations = _demo_spans(preset, page_size, seed, inject, verify, "own")
+    assert violations  # the faults fired: the spans carry violations
+    assert any(s[3] == "ERROR" for s in own) and sum(s[0] == "kv.request" for s in own) >= 10
+    for variant in ("every-kind", "sdk"):
+        other, other_violations = _demo_spans(preset, page_size, seed, inject, verify, variant)
+        assert other_violations == violations
+        assert other == own
+
+
+@pytest.mark.parametrize("path", ["own", "sdk"])
+def test_a_retracted_request_re_prefilled_before_the_step_gets_its_own_span_under_deferred_verification(
+    memory, path
+):
+    # The demo engine's retraction: free, release, and the same id prefilled again before the step boundary. Under
+    # deferred verification the release is checked later; the spans must still be the ones immediate
+    # verification gives (one per incarnation, each with its own values), on both span paths.
+    def spans(verify):
+        w = InstrumentedAllocator(
+            PagedTokenToKVPoolAllocator(64, PS, torch.float16, "cpu"), mode="record", verify=verify
+        )
+        if path == "own":
+            mem = InMemorySpanExporter()
+            exp = OtelExporter(w, span_exporter=mem)
+        else:
+            provider, mem = memory
+            mem.clear()
+            exp = OtelExporter(w, tracer_provider=provider)
+        a = Req("a")
+        extend(w, [a], [6])
+        decode(w, [a])
+        decode(w, [a])
+        w.free(t(a.row))
+        w.release_request("a")
+        again = Req("a")
+        extend(w, [again], [9])
+        w.step()
+        w.free(t(again.row))
+        w.release_request("a")
+        w.step()
+        exp.shutdown() if path == "own" else exp.force_flush()
+        return [
+            (
+                {k: v for k, v in s.attributes.items()},
+                [(e.name, {k: v for k, v in e.attributes.items() if k != "kv.step"}) for e in s.events],
+            )
+            for s in mem.get_finished_spans()
+        ]
+
+    immediate = spans("immediate")
+    assert [(a["kv.allocated_len"], a["kv.committed_len"], a["kv.decode_steps"]) for a, _ in immediate] == [
+        (8, 8, 2),
+        (12, 9, 0),
+    ]
+    assert spans("deferred") == immediate
+
+
+@pytest.mark.parametrize("path", ["own", "sdk"])
+def test_attached_mid_run_at_page_size_1_counts_the_first_decode(memory, path):
+    # SGLang decodes with alloc(bs) at page size 1: an alloc of one slot for a request that holds KV is a decode.
+    # An exporter attached while requests already hold KV measures their next allocation from the ledger values
+    # they had then, so the first decode after the attach is a decode, not a prefill.
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, torch.float16, "cpu"), mode="record")
+    with w.batch(["a", "b"], lens=[3, 5]):
+        ab = w.alloc(8)  # prefilled before tracing starts
+    if path == "own":
+        mem = InMemorySpanExporter()
+        exp = OtelExporter(w, span_exporter=mem)
+    else:
+        provider, mem = memory
+        exp = OtelExporter(w, tracer_provider=provider)
+    for _ in range(3):
+        with w.batch(["a", "b"]):
+            ab = torch.cat([ab, w.alloc(2)])
+        w.step()
+    w.free(ab[[0, 1, 2, 8, 10, 12]])
+    w.release_request("a")
+    exp.shutdown(timeout_millis=2000)
+    (sa,) = [s for s in mem.get_finished_spans() if s.attributes["kv.request.id"] == "a"]
+    assert sa.attributes["kv.decode_steps"] == 3 and sa.attributes["kv.allocated_len"] == 6
+    assert [e.name for e in sa.events] == ["kv.release"]
+
+
+def test_two_exporters_each_keep_their_trace_ids():
+    # alloc.trace_id_for is one hook: each exporter's falls back to the one it replaced, and a shutdown puts that
+    # back, so a violation of a request the remaining exporter traces still carries that span's trace id.
+    w = paged(256)
+    m1, m2 = InMemorySpanExporter(), InMemorySpanExporter()
+    e1 = OtelExporter(w, span_exporter=m1)
+    e2 = OtelExporter(w, span_exporter=m2)
+    b = Req("b")
+    extend(w, [b], [9])
+    assert w.trace_id_for("b") == e2.trace_id_for("b") != e1.trace_id_for("b")  # the latest exporter's first
+    assert e2.shutdown(timeout_millis=1000)
+    assert w.trace_id_for == e1._trace_hook
+    w.free(t(b.row[:4]))
+    w.free(t(b.row[:4]))  # a double free of b's first page
+    v = w.violations[-1]
+    assert (v.invariant, v.rid) == ("double_free", "b") and v.trace_id == e1.trace_id_for("b")
+    assert e1.shutdown(timeout_millis=1000) and w.trace_id_for is None
+    (s,) = m1.get_finished_spans()
+    assert hex_id(s) == v.trace_id and s.status.status_code is StatusCode.ERROR
+
+
+def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env):
+    # OTEL_SPAN_EVENT_COUNT_LIMIT below max_events_per_span bounds our spans, by our policy: the first events and
+    # kv.release kept, the rest counted in kv.events_dropped, so the SDK evicts nothing (its OTLP
+    # dropped_events_count, which counts only what the SDK itself drops, stays 0).
+    want = {
+        "2": {"a": (["kv.prefill", "kv.release"], 0, 0), "b": (["kv.prefill", "kv.release"], 0, 1)},
+        "0": {"a": ([], 0, 2), "b": ([], 0, 3)},
+        "unset": {
+            "a": (["kv.prefill", "kv.release"], 0, 0),
+            "b": (["kv.prefill", "kv.violation", "kv.release"], 0, 0),
+        },
+    }
+    for limit, expected in want.items():
+        rx = Receiver()
+        try:
+            otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
+            if limit == "unset":
+                otel_env.delenv("OTEL_SPAN_EVENT_COUNT_LIMIT", raising=False)  # the SDK's default, 128: raised to 64
+            else:
+                otel_env.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", limit)
+            w = paged()
+            exp = OtelExporter(w)
+            _three_requests(w)
+            exp.force_flush(timeout_millis=5000)
+            assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
+            assert _received_events(rx) == expected, limit
+            exp.shutdown(timeout_millis=5000)
+        finally:
+            rx.close()
+
+
+def test_events_beyond_the_bound_are_counted_in_kv_events_dropped(otel_env):
+    # The default limits, max_events_per_span=3, five chunked prefills: the first two prefills and the release
+    # reach the collector; kv.events_dropped counts the rest, at release and at shutdown.
+    rx = Receiver()
+    try:
+        w = paged()
+        exp = OtelExporter(w, endpoint=rx.base, max_events_per_span=3)
+        a = Req("a")
+        for _ in range(5):
+            extend(w, [a], [4])
+            w.step()
+        b = Req("b")
+        for _ in range(4):
+            extend(w, [b], [4])
+        exp.shutdown(timeout_millis=5000)  # b is still open: ended by shutdown
+        w.free(t(a.row))
+        assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
+        got = _received_events(rx)
+        assert got["a"] == (["kv.prefill", "kv.prefill"], 0, 3)  # a's release comes after the shutdown: none
+        assert got["b"] == (["kv.prefill", "kv.prefill"], 0, 2)
+    finally:
+        rx.close()
+
+
+def test_a_provider_with_a_lower_event_limit_evicts_the_oldest_events_counted_and_said_once(caplog):
+    # A tracer_provider passed in whose SpanLimits.max_events (3) is below max_events_per_span (64): the SDK keeps
+    # the newest events (its policy; a provider's limits are not public), kv.events_dropped counts what it evicted,
+    # and the first such span logs one warning naming our bound.
+    from opentelemetry.sdk.trace import SpanLimits
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=SpanLimits(max_events=3))
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=provider)
+    with caplog.at_level(logging.WARNING, logger="exporters.otel"):
+        for rid in ("a", "b"):
+            r = Req(rid)
+            for _ in range(5):
+                extend(w, [r], [5])
+                w.step()
+            w.free(t(r.row))
+            w.release_request(rid)
+    warnings = [r.getMessage() for r in caplog.records if "max_events_per_span" in r.getMessage()]
+    assert len(warnings) == 1 and "(64)" in warnings[0]
+    s = mem.get_finished_spans()[0]
+    assert [(e.name, e.attributes["kv.step"]) for e in s.events] == [
+        ("kv.prefill", 3),
+        ("kv.prefill", 4),
+        ("kv.release", 5),
+    ]
+    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
+    exp.shutdown()
+    provider.shutdown()
+
+
+def test_events_the_sdk_evicts_anyway_are_counted():
+    # A provider that is not the SDK's (a wrapper around one): the SDK evicts the oldest events, and
+    # kv.events_dropped counts them with the span's dropped events count.
+    from opentelemetry.sdk.trace import SpanLimits
+
+    mem = InMemorySpanExporter()
+    inner = TracerProvider(span_limits=SpanLimits(max_events=2))
+    inner.add_span_processor(SimpleSpanProcessor(mem))
+
+    class Hiding:
+        def get_tracer(self, *args, **kwargs):
+            return inner.get_tracer(*args, **kwargs)
+
+        def force_flush(self, timeout_millis=30000):
+            return inner.force_flush(timeout_millis)
+
+    w = paged()
+    exp = OtelExporter(w, tracer_provider=Hiding())
+    a = Req("a")
+    for _ in range(4):
+        extend(w, [a], [5])
+    w.free(t(a.row))
+    w.release_request("a")
+    (s,) = mem.get_finished_spans()
+    assert [e.name for e in s.events] == ["kv.prefill", "kv.release"]
+    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
+    exp.shutdown()
+    inner.shutdown()
+
