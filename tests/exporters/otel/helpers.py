@@ -58,7 +58,7 @@ def events(span, name=None) -> list:
     return [(e.name, dict(e.attributes)) for e in span.events if name is None or e.name == name]
 
 
-class _PerDecodeUpdates:
+class PerDecodeUpdates:
     """A sink that reads every decode's LedgerUpdate (it does not declare ``decode_ledgers = False``; it declares
     the exporter's other two, so nothing else is built for it): beside it the wrapper builds those updates instead
     of folds, and the exporter folds them itself."""
@@ -77,16 +77,16 @@ def fold_in(w, where: str) -> None:
     "exporter" (a sink that reads the per-decode updates is subscribed too)."""
     assert where in ("wrapper", "exporter")
     if where == "exporter":
-        w.subscribe(_PerDecodeUpdates())
+        w.subscribe(PerDecodeUpdates())
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _round(w, k: int, outs: list, durations: list) -> None:
+def run_round(w, k: int, outs: list, durations: list) -> None:
     """One scheduling round: four requests prefill, decode six steps, finish. Times every wrapped call."""
 
     def timed(fn, *args, **kwargs):
@@ -124,7 +124,7 @@ def _round(w, k: int, outs: list, durations: list) -> None:
 HASH_KEY = b"otel-test-key"
 
 
-def _pseudonym(rid) -> str:
+def pseudonym(rid) -> str:
     """Computed here independently of instrumented_alloc.redact: HMAC-SHA256 of the id's text, 16 hex digits."""
     import hashlib
     import hmac
@@ -132,7 +132,7 @@ def _pseudonym(rid) -> str:
     return "h:" + hmac.new(HASH_KEY, str(rid).encode(), hashlib.sha256).hexdigest()[:16]
 
 
-def _all_span_text(spans) -> str:
+def all_span_text(spans) -> str:
     parts = []
     for s in spans:
         parts += [s.name, repr(dict(s.attributes)), str(s.status.description)]
@@ -140,7 +140,7 @@ def _all_span_text(spans) -> str:
     return "\n".join(parts)
 
 
-def _finish_requests(w, names) -> None:
+def finish_requests(w, names) -> None:
     reqs = [Req(n) for n in names]
     extend(w, reqs, [5] * len(reqs))
     for r in reqs:
@@ -148,7 +148,7 @@ def _finish_requests(w, names) -> None:
         w.release_request(r.rid)
 
 
-def _equivalence_scenario(w, exp) -> dict:
+def equivalence_scenario(w, exp) -> dict:
     """Prefill, prealloc with an SWA tail, decodes, SWA evictions, violations (in a span, beyond the event bound,
     of an ended request, of no request), releases and requests left open at shutdown. Returns trace_id_for of
     every request, asked before shutdown (and for ended ones, after their release)."""
@@ -183,19 +183,19 @@ def _equivalence_scenario(w, exp) -> dict:
     return {rid: exp.trace_id_for(rid) for rid in ("a", "b", "p", 42, "c")}
 
 
-def _swa_alloc():
+def swa_alloc():
     return InstrumentedAllocator(
         SWATokenToKVPoolAllocator(256, 256, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
     )
 
 
-_KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 
 
-_CODES = {0: "UNSET", 1: "OK", 2: "ERROR"}
+CODES = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
 
-def _sdk_samplers():
+def sdk_samplers():
     from opentelemetry.sdk.trace import sampling as smp
 
     return {
@@ -224,19 +224,19 @@ def _sdk_samplers():
     }
 
 
-def _scenario_spans(exporter_of, seed: int, *, parents: bool = False) -> tuple[list, dict, list, dict | None]:
+def scenario_spans(exporter_of, seed: int, *, parents: bool = False) -> tuple[list, dict, list, dict | None]:
     """The equivalence scenario with the global random source seeded first (the SDK's RandomIdGenerator draws from
     it; so does our own provider, in the same order) and, with ``parents``, the engine's parents set first
-    (``_engine_parents``). Returns its spans with their ids, parents (with their remote flag) and trace states;
+    (``engine_parents``). Returns its spans with their ids, parents (with their remote flag) and trace states;
     trace_id_for of each request; the trace ids the violations carry; set_parent's answers (None without)."""
     import random
 
     mem = InMemorySpanExporter()
-    w = _swa_alloc()
+    w = swa_alloc()
     random.seed(seed)
     exp = exporter_of(w, mem)
-    answers = _engine_parents(exp) if parents else None
-    ids = _equivalence_scenario(w, exp)
+    answers = engine_parents(exp) if parents else None
+    ids = equivalence_scenario(w, exp)
     assert exp.shutdown(timeout_millis=5000)
     assert exp.errors == 0 and exp.spans_dropped == 0
     finished = mem.get_finished_spans()
@@ -262,7 +262,7 @@ def _scenario_spans(exporter_of, seed: int, *, parents: bool = False) -> tuple[l
     return spans, ids, [v.trace_id for v in w.violations], answers
 
 
-class _EveryKind:
+class EveryKind:
     """A sink with no ``event_types``: the wrapper builds every kind for it (free LedgerUpdates, decode Allocs),
     so the exporter receives those instead of reading ``bus.skipped_frees``."""
 
@@ -272,7 +272,7 @@ class _EveryKind:
         return None
 
 
-def _demo_spans(preset, page_size, seed, inject, verify, variant, steps=300, sampler=None) -> tuple[list, list]:
+def demo_spans(preset, page_size, seed, inject, verify, variant, steps=300, sampler=None) -> tuple[list, list]:
     """The spans of a faulted demo run, without ids or times (a parent named by its request id), sorted; and
     the run's violation ids. ``variant``: "own" (our provider, the exporter alone), "every-kind" (the same beside
     a sink that reads every kind) or "sdk" (a provider passed in: the SDK's spans). ``sampler``: the SDK sampler
@@ -293,7 +293,7 @@ def _demo_spans(preset, page_size, seed, inject, verify, variant, steps=300, sam
     else:
         exporter = OtelExporter(e.alloc, span_exporter=mem)
         if variant == "every-kind":
-            e.alloc.subscribe(_EveryKind())
+            e.alloc.subscribe(EveryKind())
     e.run(steps)
     assert exporter.shutdown(timeout_millis=5000)
     assert exporter.errors == 0 and e.alloc.bus.dropped.get("otel", 0) == 0
@@ -322,7 +322,7 @@ ENGINE_TRACE_B = "4bf92f3577b34da6a3ce929d0e0e4736"
 ENGINE_TRACE_C = "5bf92f3577b34da6a3ce929d0e0e4737"
 
 
-def _engine_parents(exp) -> dict:
+def engine_parents(exp) -> dict:
     """Parents for the equivalence scenario's requests, as an engine would name them: a local sampled span with a
     trace state ("a"); W3C carriers from another process, sampled with a trace state ("b") and not sampled ("c"); a
     malformed carrier (42: stays a root); a Context holding a remote sampled span ("p"). Returns set_parent's
@@ -342,14 +342,14 @@ def _engine_parents(exp) -> dict:
     }
 
 
-def _one_request(w, rid) -> None:
+def one_request(w, rid) -> None:
     r = Req(rid)
     extend(w, [r], [5])
     w.free(t(r.row))
     w.release_request(rid)
 
 
-def _three_requests(w) -> None:
+def three_requests(w) -> None:
     """a: prefill, decodes, release; b: prefill, a leak at its release (kv.violation), release; c: still open."""
     a, b, c = Req("a"), Req("b"), Req("c")
     extend(w, [a, b, c], [6, 9, 3])
@@ -362,7 +362,7 @@ def _three_requests(w) -> None:
     w.release_request("b")  # leaks: a violation on b's span
 
 
-def _received_events(rx) -> dict:
+def received_events(rx) -> dict:
     """rid -> (event names, dropped_events_count, kv.events_dropped) of the request spans the receiver decoded."""
     return {
         rid: ([e.name for e in s.events], s.dropped_events_count, attrs["kv.events_dropped"])
@@ -370,7 +370,7 @@ def _received_events(rx) -> dict:
     }
 
 
-def _console_spans(text: str) -> list:
+def console_spans(text: str) -> list:
     """The spans the SDK's ConsoleSpanExporter printed (one JSON object per span), as (name, kv.request.id)."""
     import json
 
@@ -383,7 +383,7 @@ def _console_spans(text: str) -> list:
         out.append((obj["name"], obj["attributes"].get("kv.request.id")))
 
 
-def _from_sdk(spans, resource_of, scope_of) -> list:
+def from_sdk(spans, resource_of, scope_of) -> list:
     """SDK ReadableSpans as plain records: (trace id, span id, parent span id or None, the comparable part, times)."""
     out = []
     for s in spans:
@@ -405,7 +405,7 @@ def _from_sdk(spans, resource_of, scope_of) -> list:
     return out
 
 
-def _from_otlp(rx: Receiver) -> list:
+def from_otlp(rx: Receiver) -> list:
     from tests.otlp_receiver import _value
 
     out = []
@@ -420,8 +420,8 @@ def _from_otlp(rx: Receiver) -> list:
                 "name": s.name,
                 "attributes": {kv.key: _value(kv.value) for kv in s.attributes},
                 "events": [(e.name, {kv.key: _value(kv.value) for kv in e.attributes}) for e in s.events],
-                "status": (_CODES[s.status.code], s.status.message),
-                "kind": _KINDS[s.kind],
+                "status": (CODES[s.status.code], s.status.message),
+                "kind": KINDS[s.kind],
                 "service": res.get("service.name"),
                 "scope": scope,
                 "times": (s.start_time_unix_nano, [e.time_unix_nano for e in s.events], s.end_time_unix_nano),
@@ -430,7 +430,7 @@ def _from_otlp(rx: Receiver) -> list:
     return out
 
 
-def _comparable(records: list, trace_ids: dict) -> list:
+def comparable(records: list, trace_ids: dict) -> list:
     """Records with ids replaced by what must match between the paths: the parent as the parent's (name, request
     id), the trace id as the request it belongs to (checked against trace_id_for), in a stable order."""
     by_id = {r["id"]: r for r in records}

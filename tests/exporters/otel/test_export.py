@@ -22,21 +22,21 @@ from tests.exporters.otel.helpers import (
     ENGINE_TRACE_B,
     ENGINE_TRACE_C,
     HASH_KEY,
-    _comparable,
-    _console_spans,
-    _equivalence_scenario,
-    _finish_requests,
-    _free_port,
-    _from_otlp,
-    _from_sdk,
-    _one_request,
-    _pseudonym,
-    _round,
-    _swa_alloc,
-    _three_requests,
+    comparable,
+    console_spans,
     decode,
+    equivalence_scenario,
     extend,
+    finish_requests,
+    free_port,
+    from_otlp,
+    from_sdk,
+    one_request,
     paged,
+    pseudonym,
+    run_round,
+    swa_alloc,
+    three_requests,
 )
 from tests.otlp_receiver import Receiver
 
@@ -98,7 +98,7 @@ def test_otlp_http_end_to_end(otel_env, how):
 def test_collector_down_or_slow_never_blocks_the_allocator(otel_env, caplog, collector):
     caplog.set_level(logging.WARNING, logger="opentelemetry")
     rx = Receiver(delay=2.0) if collector == "slow" else None
-    endpoint = rx.base if rx else f"http://127.0.0.1:{_free_port()}"
+    endpoint = rx.base if rx else f"http://127.0.0.1:{free_port()}"
     otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.3")
     otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
     otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")
@@ -121,7 +121,7 @@ def test_collector_down_or_slow_never_blocks_the_allocator(otel_env, caplog, col
         start = time.perf_counter()
         rounds = 0
         while rounds < 20 or time.perf_counter() - start < 0.5 or not network_was_busy():
-            _round(w, rounds, outs, durations)
+            run_round(w, rounds, outs, durations)
             rounds += 1
             assert time.perf_counter() - start < 15, "the exporter never reached the network"
         with_exporter = time.perf_counter() - start
@@ -130,7 +130,7 @@ def test_collector_down_or_slow_never_blocks_the_allocator(otel_env, caplog, col
         outs2, durations2 = [], []
         start = time.perf_counter()
         for k in range(rounds):
-            _round(w2, k, outs2, durations2)
+            run_round(w2, k, outs2, durations2)
         bare = time.perf_counter() - start
 
         assert len(outs) == len(outs2) and all(torch.equal(x, y) for x, y in zip(outs, outs2))
@@ -162,11 +162,11 @@ def test_own_provider_exports_over_otlp_what_a_provider_passed_in_keeps_in_memor
     mem = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "instrumented-alloc"}))
     provider.add_span_processor(SimpleSpanProcessor(mem))
-    w1 = _swa_alloc()
+    w1 = swa_alloc()
     exp1 = OtelExporter(w1, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
-    ids1 = _equivalence_scenario(w1, exp1)
+    ids1 = equivalence_scenario(w1, exp1)
     exp1.shutdown(timeout_millis=5000)
-    sdk = _from_sdk(
+    sdk = from_sdk(
         mem.get_finished_spans(),
         lambda s: s.resource.attributes.get(SERVICE_NAME),
         lambda s: s.instrumentation_scope.name,
@@ -175,31 +175,31 @@ def test_own_provider_exports_over_otlp_what_a_provider_passed_in_keeps_in_memor
 
     rx = Receiver()
     try:
-        w2 = _swa_alloc()
+        w2 = swa_alloc()
         exp2 = OtelExporter(w2, endpoint=rx.base, max_events_per_span=4, hash_request_ids=HASH_KEY)
-        ids2 = _equivalence_scenario(w2, exp2)
+        ids2 = equivalence_scenario(w2, exp2)
         assert exp2.shutdown(timeout_millis=5000)
         assert rx.wait_for(lambda r: r.span_count() == len(sdk))
-        otlp = _from_otlp(rx)
+        otlp = from_otlp(rx)
     finally:
         rx.close()
 
     assert len(sdk) == len(otlp) == 8  # 5 requests, 3 violation spans
-    assert _comparable(otlp, ids2) == _comparable(sdk, ids1)
+    assert comparable(otlp, ids2) == comparable(sdk, ids1)
     assert [v.invariant for v in w1.violations] == [v.invariant for v in w2.violations]
     # What the scenario covers, on the exported spans.
     reqs = {r["attributes"]["kv.request.id"]: r for r in otlp if r["name"] == "kv.request"}
-    assert set(reqs) == {_pseudonym(x) for x in ("a", "b", "p", 42, "c")}
+    assert set(reqs) == {pseudonym(x) for x in ("a", "b", "p", 42, "c")}
     for rid in ("a", "b", "p", 42, "c"):
-        assert reqs[_pseudonym(rid)]["trace"] == ids2[rid]
-    rb = reqs[_pseudonym("b")]
+        assert reqs[pseudonym(rid)]["trace"] == ids2[rid]
+    rb = reqs[pseudonym("b")]
     assert rb["attributes"]["kv.events_dropped"] == 1 and rb["status"][0] == "ERROR"
     assert rb["status"][1].startswith("double_free: ") and "'b'" not in rb["status"][1]
     assert [n for n, _ in rb["events"]] == ["kv.prefill", "kv.violation", "kv.violation", "kv.release"]
-    assert [n for n, _ in reqs[_pseudonym(42)]["events"]] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict"]
-    assert [n for n, _ in reqs[_pseudonym("p")]["events"]] == ["kv.prealloc", "kv.swa_evict"]
-    assert reqs[_pseudonym("p")]["attributes"]["kv.open_at_shutdown"] is True
-    assert reqs[_pseudonym("a")]["status"] == ("UNSET", "")
+    assert [n for n, _ in reqs[pseudonym(42)]["events"]] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict"]
+    assert [n for n, _ in reqs[pseudonym("p")]["events"]] == ["kv.prealloc", "kv.swa_evict"]
+    assert reqs[pseudonym("p")]["attributes"]["kv.open_at_shutdown"] is True
+    assert reqs[pseudonym("a")]["status"] == ("UNSET", "")
     violations = sorted(
         (r["attributes"]["kv.violation.invariant"], r["parent"] is not None, r["trace"])
         for r in otlp
@@ -229,11 +229,11 @@ def test_counting_exporter_with_your_own_provider():
     def sample():
         return prom.registry.get_sample_value("kvalloc_events_dropped_total", {"sink": "otel"})
 
-    _finish_requests(w, ["a", "b", "c"])
+    finish_requests(w, ["a", "b", "c"])
     assert (counting.exported, counting.dropped, counting.failed_exports) == (3, 0, 0)
     assert exp.spans_dropped == 0 and sample() == 0.0
     mem.shutdown()  # from now on every export returns FAILURE
-    _finish_requests(w, ["d", "e"])
+    finish_requests(w, ["d", "e"])
     assert (counting.exported, counting.dropped, counting.failed_exports) == (3, 2, 2)
     assert exp.spans_dropped == 2 and sample() == 2.0 and w.bus.dropped["otel"] == 0
     assert w.bus.drop_counts()["otel"] == 2
@@ -320,9 +320,9 @@ def test_counting_batch_processor_with_your_own_provider():
         return prom.registry.get_sample_value("kvalloc_events_dropped_total", {"sink": "otel"})
 
     names = [f"q{i}" for i in range(10)]
-    _finish_requests(w, names[:3])  # 3 queued: the worker takes them and hangs in export
+    finish_requests(w, names[:3])  # 3 queued: the worker takes them and hangs in export
     assert gate.entered.wait(5)
-    _finish_requests(w, names[3:])  # 3 more admitted (6 unsettled), the last 4 refused
+    finish_requests(w, names[3:])  # 3 more admitted (6 unsettled), the last 4 refused
     assert (proc.queue_full, proc.dropped, exp.spans_dropped, sample()) == (4, 4, 4, 4.0)
     assert w.bus.dropped["otel"] == 0
     gate.release.set()
@@ -330,7 +330,7 @@ def test_counting_batch_processor_with_your_own_provider():
     assert gate.names == names[:6] and proc.exported == 6
 
     gate.failing = True  # the collector now refuses: both spans counted at export
-    _finish_requests(w, ["f0", "f1"])
+    finish_requests(w, ["f0", "f1"])
     assert exp.force_flush(timeout_millis=5000)
     assert (proc.failed_exports, proc.dropped, sample()) == (1, 6, 6.0)
 
@@ -426,7 +426,7 @@ def test_request_ids_reach_the_collector_whatever_their_int_size():
             w.release_request(rid)
         assert exp.shutdown(timeout_millis=5000)
         assert rx.wait_for(lambda r: r.span_count() == 4)
-        got = [s["attributes"]["kv.request.id"] for s in _from_otlp(rx)]
+        got = [s["attributes"]["kv.request.id"] for s in from_otlp(rx)]
     finally:
         rx.close()
     assert got == [str(big), edge, low, str(2**63)]
@@ -487,14 +487,14 @@ def test_a_forked_child_exports_its_spans_as_a_fresh_processor(otel_env):
         w = paged(4096)
         exp = OtelExporter(w)
         for i in range(63):
-            _one_request(w, f"parent{i}")
+            one_request(w, f"parent{i}")
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: report its counts through the pipe, never return into pytest
             code = 1
             try:
                 for i in range(20):
-                    _one_request(w, f"child{i}")
+                    one_request(w, f"child{i}")
                 exp.force_flush(timeout_millis=5000)
                 p = exp._counting
                 os.write(write, f"{p.queue_full} {p.exported} {w.bus.drop_counts()['otel']}".encode())
@@ -542,7 +542,7 @@ def test_an_endpoint_with_a_query_gets_the_traces_path_before_it(otel_env):
     try:
         w = paged()
         exp = OtelExporter(w, endpoint=rx.base + "?tenant=t1")
-        _one_request(w, "a")
+        one_request(w, "a")
         assert exp.shutdown(timeout_millis=5000)
         assert rx.wait_for(lambda r: "a" in r.request_spans())
         with rx.lock:
@@ -563,7 +563,7 @@ def test_exporters_sharing_one_counting_processor_count_its_losses_once(otel_env
     from exporters.prometheus import PrometheusExporter
 
     otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-    dead = f"http://127.0.0.1:{_free_port()}/v1/traces"
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"
     proc = CountingBatchSpanProcessor(OTLPSpanExporter(endpoint=dead, timeout=0.2))
     provider = TracerProvider()
     provider.add_span_processor(proc)
@@ -572,13 +572,13 @@ def test_exporters_sharing_one_counting_processor_count_its_losses_once(otel_env
     try:
         e1 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc)
         for i in range(2):
-            _one_request(w, f"first{i}")
+            one_request(w, f"first{i}")
         e1.shutdown(timeout_millis=3000)
         assert proc.dropped == 2 and w.bus.drop_counts()["otel"] == 2
         e2 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc)  # re-attached, same provider
         e3 = OtelExporter(w, tracer_provider=provider, counting_exporter=proc.counting)  # beside it
         for i in range(5):
-            _one_request(w, f"r{i}")
+            one_request(w, f"r{i}")
         e2.force_flush(timeout_millis=5000)
         # e2 and e3 both end each request's span: 10 spans, each lost once.
         assert proc.dropped == 2 + 10 and e2.spans_dropped == 12 and e3.spans_dropped == 12
@@ -602,7 +602,7 @@ def test_traces_exporter_none_exports_nothing_and_loses_nothing(otel_env):
         w = paged()
         exp = OtelExporter(w)
         assert w.bus.sinks == () and exp.trace_id_for("a") is None
-        _three_requests(w)
+        three_requests(w)
         assert exp.shutdown(timeout_millis=3000)
         time.sleep(0.2)
         assert rx.span_count() == 0 and rx.hits == 0
@@ -627,7 +627,7 @@ def test_traces_exporter_console_and_lists(otel_env, monkeypatch):
         text = out.getvalue()
         out.seek(0)
         out.truncate()
-        return _console_spans(text)
+        return console_spans(text)
 
     rx = Receiver()
     try:
@@ -635,7 +635,7 @@ def test_traces_exporter_console_and_lists(otel_env, monkeypatch):
         otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
         w = paged()
         exp = OtelExporter(w)
-        _three_requests(w)
+        three_requests(w)
         assert exp.shutdown(timeout_millis=3000)
         assert printed() == [("kv.request", "a"), ("kv.request", "b"), ("kv.request", "c")]
         assert rx.hits == 0 and w.bus.drop_counts()["otel"] == 0
@@ -644,7 +644,7 @@ def test_traces_exporter_console_and_lists(otel_env, monkeypatch):
         otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         w = paged()
         exp = OtelExporter(w)
-        _three_requests(w)
+        three_requests(w)
         assert exp.shutdown(timeout_millis=3000)
         assert printed() == [("kv.request", "a"), ("kv.request", "b"), ("kv.request", "c")]
         assert rx.wait_for(lambda r: r.span_count() >= 3)
@@ -692,7 +692,7 @@ def test_otlp_protocol_grpc_exports_over_grpc(otel_env):
         otel_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
         w = paged()
         exp = OtelExporter(w, endpoint=f"http://127.0.0.1:{port}")
-        _three_requests(w)
+        three_requests(w)
         assert exp.shutdown(timeout_millis=10000)
         spans = {}
         for s in got:

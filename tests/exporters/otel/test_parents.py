@@ -16,10 +16,10 @@ from tests.exporters.otel.helpers import (
     ENGINE_TRACE_B,
     ENGINE_TRACE_C,
     HASH_KEY,
-    _pseudonym,
-    _scenario_spans,
     extend,
     paged,
+    pseudonym,
+    scenario_spans,
 )
 
 
@@ -47,31 +47,31 @@ def test_set_parent_puts_request_spans_in_the_engines_traces(otel_env, sampler_e
         return OtelExporter(w, tracer_provider=provider, max_events_per_span=4, hash_request_ids=HASH_KEY)
 
     for seed in range(4):
-        got = _scenario_spans(own, seed, parents=True)
-        assert got == _scenario_spans(sdk, seed, parents=True)
+        got = scenario_spans(own, seed, parents=True)
+        assert got == scenario_spans(sdk, seed, parents=True)
     spans, ids, _, answers = got
     assert answers == {"a": True, "b": True, "c": True, 42: False, "p": True}
     req = {rid: s for s in spans if s[0] == "kv.request" for rid in [s[1]]}
     b_trace = ENGINE_TRACE_B
-    assert req[_pseudonym("a")][2:6] == (
+    assert req[pseudonym("a")][2:6] == (
         format(ENGINE_TRACE_A, "032x"),
-        req[_pseudonym("a")][3],
+        req[pseudonym("a")][3],
         (("vendor", "a1"),),
         (format(ENGINE_TRACE_A, "032x"), 0xB7AD6B7169203331, False),
     )
-    assert req[_pseudonym("b")][2] == b_trace and req[_pseudonym("b")][4] == (("eng", "b"),)
-    assert req[_pseudonym("b")][5] == (b_trace, 0x00F067AA0BA902B7, True)
-    assert req[_pseudonym("p")][5] == (format(0x1111, "032x"), 0x2222, True)
+    assert req[pseudonym("b")][2] == b_trace and req[pseudonym("b")][4] == (("eng", "b"),)
+    assert req[pseudonym("b")][5] == (b_trace, 0x00F067AA0BA902B7, True)
+    assert req[pseudonym("p")][5] == (format(0x1111, "032x"), 0x2222, True)
     assert ids["a"] == format(ENGINE_TRACE_A, "032x") and ids["b"] == b_trace and ids["p"] == format(0x1111, "032x")
     leak = [s for s in spans if s[0] == "kv.violation" and s[5] is not None]
-    assert len(leak) == 1 and leak[0][2] == b_trace and leak[0][5] == (b_trace, req[_pseudonym("b")][3], False)
+    assert len(leak) == 1 and leak[0][2] == b_trace and leak[0][5] == (b_trace, req[pseudonym("b")][3], False)
     assert leak[0][4] == (("eng", "b"),)  # the child keeps its parent's trace state, as the SDK's samplers hand it
     if sampler_env is not None and sampler_env[0] == "always_on":
-        assert _pseudonym("c") in req and req[_pseudonym("c")][2] == ENGINE_TRACE_C and ids["c"] == ENGINE_TRACE_C
+        assert pseudonym("c") in req and req[pseudonym("c")][2] == ENGINE_TRACE_C and ids["c"] == ENGINE_TRACE_C
     else:
-        assert _pseudonym("c") not in req and ids["c"] is None
+        assert pseudonym("c") not in req and ids["c"] is None
     if sampler_env is None or sampler_env[0] == "always_on":
-        assert _pseudonym(42) in req and req[_pseudonym(42)][5] is None  # a root span of its own
+        assert pseudonym(42) in req and req[pseudonym(42)][5] is None  # a root span of its own
 
 
 def test_set_parent_bad_input_late_calls_and_bounds(otel_env, monkeypatch):

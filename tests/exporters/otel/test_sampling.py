@@ -16,15 +16,15 @@ from exporters.otel import OtelExporter
 from tests.engine_model import Req, t
 from tests.exporters.otel.helpers import (
     HASH_KEY,
-    _demo_spans,
-    _equivalence_scenario,
-    _one_request,
-    _scenario_spans,
-    _sdk_samplers,
-    _swa_alloc,
     decode,
+    demo_spans,
+    equivalence_scenario,
     extend,
+    one_request,
     paged,
+    scenario_spans,
+    sdk_samplers,
+    swa_alloc,
 )
 from tests.otlp_receiver import Receiver
 
@@ -52,11 +52,11 @@ def test_own_provider_applies_the_samplers_and_limits_of_the_environment(otel_en
     for k, v in env.items():
         otel_env.setenv(k, v)
     mem = InMemorySpanExporter()
-    w = _swa_alloc()
+    w = swa_alloc()
     exp = OtelExporter(w, span_exporter=mem, max_events_per_span=4, hash_request_ids=HASH_KEY)
     assert (exp in w.bus.sinks) is subscribed
     assert w.bus.active is subscribed
-    ids = _equivalence_scenario(w, exp)
+    ids = equivalence_scenario(w, exp)
     if not n_spans:
         assert set(ids.values()) == {None}
         assert w.violations and {v.trace_id for v in w.violations} == {None}
@@ -86,7 +86,7 @@ def test_own_provider_applies_the_samplers_and_limits_of_the_environment(otel_en
 
 @settings(max_examples=300, deadline=None)
 @given(
-    name=st.sampled_from(sorted(_sdk_samplers())),
+    name=st.sampled_from(sorted(sdk_samplers())),
     trace_id=st.one_of(
         st.integers(1, 2**128 - 1),
         # Around the ratio bounds, in the low 64 bits the SDK compares.
@@ -108,7 +108,7 @@ def test_samples_nothing_only_when_no_span_of_ours_can_be_sampled(name, trace_id
 
     from exporters.otel.sampling import samples_nothing
 
-    sampler = _sdk_samplers()[name]
+    sampler = sdk_samplers()[name]
     if parent is None:
         context = Context()
     else:
@@ -151,8 +151,8 @@ def test_sampled_spans_are_the_sdks_ids_included(otel_env, env_sampler, arg):
 
     kept = dropped = 0
     for seed in range(12):
-        got = _scenario_spans(own, seed)
-        assert got == _scenario_spans(sdk, seed)
+        got = scenario_spans(own, seed)
+        assert got == scenario_spans(sdk, seed)
         spans, ids, violation_traces, _ = got
         kept += sum(x is not None for x in ids.values())
         dropped += sum(x is None for x in ids.values())
@@ -209,12 +209,12 @@ def test_demo_spans_under_a_ratio_sampler_are_the_sdks(otel_env, preset, page_si
     otel_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.3")
     sampler = TracerProvider().sampler
-    own, violations = _demo_spans(preset, page_size, seed, inject, verify, "own", sampler=sampler)
-    sdk, sdk_violations = _demo_spans(preset, page_size, seed, inject, verify, "sdk", sampler=sampler)
+    own, violations = demo_spans(preset, page_size, seed, inject, verify, "own", sampler=sampler)
+    sdk, sdk_violations = demo_spans(preset, page_size, seed, inject, verify, "sdk", sampler=sampler)
     assert sdk_violations == violations and violations
     assert sdk == own
     otel_env.delenv("OTEL_TRACES_SAMPLER")
-    everything, _ = _demo_spans(preset, page_size, seed, inject, verify, "own")
+    everything, _ = demo_spans(preset, page_size, seed, inject, verify, "own")
     n_all = sum(s[0] == "kv.request" for s in everything)
     n_kept = sum(s[0] == "kv.request" for s in own)
     assert n_all >= 50 and 0.1 * n_all < n_kept < 0.5 * n_all
@@ -300,8 +300,8 @@ def test_sampler_argument_configures_the_own_provider(otel_env):
 
     kept = 0
     for seed in range(4):
-        got = _scenario_spans(own, seed)
-        assert got == _scenario_spans(sdk, seed)
+        got = scenario_spans(own, seed)
+        assert got == scenario_spans(sdk, seed)
         kept += len(got[0])
     assert kept > 0
 
@@ -353,9 +353,9 @@ def test_a_sampler_that_samples_only_children_of_a_local_parent_keeps_tracing_on
                 exp = OtelExporter(w, tracer_provider=provider)
             with engine.start_as_current_span("engine.request") as es:
                 assert exp.set_parent("a", es) is True
-                _one_request(w, "a")  # a child of the local sampled engine span: sampled
+                one_request(w, "a")  # a child of the local sampled engine span: sampled
                 engine_ctx = es.get_span_context()
-            _one_request(w, "b")  # a root: dropped
+            one_request(w, "b")  # a root: dropped
             assert exp.trace_id_for("a") == format(engine_ctx.trace_id, "032x") and exp.trace_id_for("b") is None
             exp.shutdown(timeout_millis=5000)
             if how == "sdk":

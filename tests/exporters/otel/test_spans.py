@@ -26,20 +26,20 @@ from tests.engine_model import Req, extend_args, t
 from tests.exporters.otel.helpers import (
     HASH_KEY,
     PS,
-    _all_span_text,
-    _demo_spans,
-    _equivalence_scenario,
-    _from_sdk,
-    _pseudonym,
-    _received_events,
-    _three_requests,
+    all_span_text,
     decode,
+    demo_spans,
+    equivalence_scenario,
     events,
     extend,
     fold_in,
+    from_sdk,
     hex_id,
     paged,
+    pseudonym,
+    received_events,
     request_spans,
+    three_requests,
 )
 from tests.otlp_receiver import Receiver
 
@@ -433,7 +433,7 @@ def test_hashed_request_ids_in_spans(memory):
     extend(w, [ok, leaky, num], [5, 6, 3])
     decode(w, [ok, leaky, num])
     trace_ok = exp.trace_id_for("secret-ok-0001")  # the raw id: what the wrapper and the exemplars ask with
-    assert trace_ok is not None and exp.trace_id_for(_pseudonym("secret-ok-0001")) is None
+    assert trace_ok is not None and exp.trace_id_for(pseudonym("secret-ok-0001")) is None
     w.free(t(ok.row))
     w.release_request(ok.rid)
     w.release_request(leaky.rid)  # still owns two pages: request_leak, on its span
@@ -448,9 +448,9 @@ def test_hashed_request_ids_in_spans(memory):
     assert w.violations[0].trace_id == exp.trace_id_for("secret-leaky-0002") is not None
 
     spans = request_spans(mem)
-    assert sorted(spans) == sorted(_pseudonym(r) for r in ("secret-ok-0001", "secret-leaky-0002", "123456789"))
-    assert hex_id(spans[_pseudonym("secret-ok-0001")]) == trace_ok
-    p_leaky = _pseudonym("secret-leaky-0002")
+    assert sorted(spans) == sorted(pseudonym(r) for r in ("secret-ok-0001", "secret-leaky-0002", "123456789"))
+    assert hex_id(spans[pseudonym("secret-ok-0001")]) == trace_ok
+    p_leaky = pseudonym("secret-leaky-0002")
     leak_span = spans[p_leaky]
     leak_msg = (
         f"request {p_leaky!r} released while still owning 2 pages, neither freed nor handed to the prefix cache "
@@ -472,17 +472,17 @@ def test_hashed_request_ids_in_spans(memory):
         )
     ]
     (ghost,) = [s for s in mem.get_finished_spans() if s.name == "kv.violation"]
-    ghost_msg = f"release_request: rid: unknown request id {_pseudonym('secret-ghost-0003')!r}"
+    ghost_msg = f"release_request: rid: unknown request id {pseudonym('secret-ghost-0003')!r}"
     assert dict(ghost.attributes) == {
         "kv.violation.invariant": "invalid_argument",
         "kv.violation.message": ghost_msg,
         "kv.violation.severity": "error",
         "kv.violation.op": "release_request",
         "kv.step": 0,
-        "kv.request.id": _pseudonym("secret-ghost-0003"),
+        "kv.request.id": pseudonym("secret-ghost-0003"),
     }
     assert ghost.status.description == f"invalid_argument: {ghost_msg}"
-    text = _all_span_text(mem.get_finished_spans())
+    text = all_span_text(mem.get_finished_spans())
     for raw in ("secret-ok-0001", "secret-leaky-0002", "secret-ghost-0003", "123456789", "secret"):
         assert raw not in text, raw
     exp.shutdown()
@@ -510,7 +510,7 @@ def test_recorder_and_spans_agree_on_pseudonyms(memory, tmp_path):
     exp.shutdown()
     with Recording(tmp_path / "r.db") as r:
         released = [e.rid for e in r.events(kinds=[RequestReleased])]
-    assert released == [_pseudonym("alpha-request"), _pseudonym(42)]
+    assert released == [pseudonym("alpha-request"), pseudonym(42)]
     assert sorted(request_spans(mem)) == sorted(released)
 
 
@@ -629,9 +629,9 @@ def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_th
         exp = OtelExporter(w, tracer_provider=provider)
         seen = Keep(like_otel=True)  # what the exporter received
         w.subscribe(seen)
-        _equivalence_scenario(w, exp)
+        equivalence_scenario(w, exp)
         exp.shutdown(timeout_millis=5000)
-        spans = _from_sdk(
+        spans = from_sdk(
             exporter.get_finished_spans(), lambda s: s.resource.attributes.get("service.name"), lambda s: None
         )
         provider.shutdown()
@@ -753,11 +753,11 @@ def test_demo_spans_are_the_same_on_every_path(preset, page_size, seed, inject, 
     instead of ``bus.skipped_frees``, decode Allocs arrive and are ignored) and the SDK's own spans give the same
     spans, attribute for attribute and event for event. A differential fuzz of 131 such runs (random presets,
     page sizes, seeds, one to three faults, both verification modes) found no difference; these are five."""
-    own, violations = _demo_spans(preset, page_size, seed, inject, verify, "own")
+    own, violations = demo_spans(preset, page_size, seed, inject, verify, "own")
     assert violations  # the faults fired: the spans carry violations
     assert any(s[3] == "ERROR" for s in own) and sum(s[0] == "kv.request" for s in own) >= 10
     for variant in ("every-kind", "sdk"):
-        other, other_violations = _demo_spans(preset, page_size, seed, inject, verify, variant)
+        other, other_violations = demo_spans(preset, page_size, seed, inject, verify, variant)
         assert other_violations == violations
         assert other == own
 
@@ -878,10 +878,10 @@ def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env):
                 otel_env.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", limit)
             w = paged()
             exp = OtelExporter(w)
-            _three_requests(w)
+            three_requests(w)
             exp.force_flush(timeout_millis=5000)
             assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
-            assert _received_events(rx) == expected, limit
+            assert received_events(rx) == expected, limit
             exp.shutdown(timeout_millis=5000)
         finally:
             rx.close()
@@ -904,7 +904,7 @@ def test_events_beyond_the_bound_are_counted_in_kv_events_dropped(otel_env):
         exp.shutdown(timeout_millis=5000)  # b is still open: ended by shutdown
         w.free(t(a.row))
         assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
-        got = _received_events(rx)
+        got = received_events(rx)
         assert got["a"] == (["kv.prefill", "kv.prefill"], 0, 3)  # a's release comes after the shutdown: none
         assert got["b"] == (["kv.prefill", "kv.prefill"], 0, 2)
     finally:
