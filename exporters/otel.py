@@ -1418,7 +1418,7 @@ class OtelExporter:
     name = "otel"  # the bus counts what this sink refused under this name
     # What the spans read: the wrapper then skips building page deltas for us.
     event_types = frozenset(
-        {ev.Alloc, ev.LedgerUpdate, ev.DecodeFold, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
+        {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
     )
     # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
     # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
@@ -1472,7 +1472,7 @@ class OtelExporter:
         self._id_attr = _attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
         self._ledger = alloc.ledger
-        self._skipped_frees = alloc.bus.skipped_frees
+        self._skipped_frees = {}  # the bus keeps no skipped frees any more: every free's update is delivered
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
@@ -1526,7 +1526,6 @@ class OtelExporter:
         self.last_error: str | None = None
         self._handlers = {
             ev.LedgerUpdate: self._on_ledger_update,
-            ev.DecodeFold: self._on_decode_fold,
             ev.Alloc: self._on_alloc,
             ev.LedgerWrite: self._on_ledger_write,
             ev.SwaEvict: self._on_swa_evict,
