@@ -86,7 +86,6 @@ _B_LEDGER = ev.builder(ev.LedgerUpdate)
 _B_PAGES = ev.builder(ev.PageUpdate)
 _B_STEP = ev.builder(ev.StepBoundary)
 _B_RELEASED = ev.builder(ev.RequestReleased)
-_B_FOLD = ev.builder(ev.DecodeFold)
 _NOOP = {}.clear
 VERIFY = ("auto", "immediate", "deferred")
 # What a request's kv_allocated_len counts: whole pages (the host-allocator contract of SGLang's #35223: page-aligned,
@@ -159,6 +158,21 @@ def _distinct_pages(slots: np.ndarray, ps: int, shift: int, offsets: np.ndarray)
     return sorted_unique(slots >> shift)
 
 
+def _count_decodes(led: KvLedger, slots: np.ndarray, shares) -> None:
+    """Before a plain ``alloc`` adds ``shares`` (an int or one per slot) to the bound requests: a share of one slot
+    to a request already holding KV is a decode step (SGLang decodes so at page size 1). The records it sets
+    replace any a free saved (``KvLedger.kept``)."""
+    if led.kept:
+        led.unkeep(slots)
+    held = led.committed[slots] > 0
+    if type(shares) is int:
+        if shares == 1:
+            led.decode_steps[slots] += held
+    else:
+        held &= shares == 1
+        led.decode_steps[slots] += held
+
+
 def _charged(fn: Callable) -> Callable:
     """An instrumented entry point whose own time (between its calls into the inner allocator, which stop and
     restart the stretch) is charged to ``checks`` (see ``selfcost``): a clock read in, one out."""
@@ -228,8 +242,6 @@ class _CallState:
         "fast_alloc",
         "fast_decode",
         "fast_free",
-        "fold",
-        "fold_decodes",
         "full",
         "host",
         "inner",
@@ -258,8 +270,6 @@ class _CallState:
         "track_lengths",
         "views",
         "want_alloc",
-        "want_decode_alloc",
-        "want_decode_ledger",
         "want_evict",
         "want_free",
         "want_ledger",
@@ -276,9 +286,7 @@ class _CallState:
         self.op = ""  # the op whose page updates are being published
         self.want_alloc = self.want_free = self.want_released = self.want_pages = False
         self.want_ledger = self.want_step = self.want_write = self.want_evict = False
-        self.want_decode_alloc = self.time_decode = self.want_decode_ledger = self.fold_decodes = False
-        # The open decode fold (see DecodeFold in events.py): [slots, rids, decodes, first step, last step], or None.
-        self.fold = None
+        self.time_decode = False
         # Deferred verification: request id -> its releases detached from the ledger and still queued.
         self.detached: dict = {}
         self.clock = clock
@@ -1018,8 +1026,6 @@ class InstrumentedAllocator:
         with st.lock:
             op = f"{attr}.alloc"
             st.op = op
-            if st.fold is not None:
-                self._flush_fold()  # before this call changes any page a request's values are measured from
             n = self._validate(op, check_int, "need_size", need_size)
             pool = st.pools[pool_name]
             before = pool.entries()
@@ -1110,8 +1116,6 @@ class InstrumentedAllocator:
         op = f"{attr}.{method}"
         with st.lock:
             st.op = op
-            if st.fold is not None:
-                self._flush_fold()  # before the free changes any ledger value (see DecodeFold)
             arg = "page_ids" if method == "free_page_ids" else "free_index"
             if start_pos is _ABSENT:
                 self._validate(op, check_index_tensor, arg, index, st.device)
@@ -1174,21 +1178,13 @@ class InstrumentedAllocator:
 
     def subscribe(self, sink) -> None:
         with self._w_lock:
-            self._close_fold()
             self.bus.subscribe(sink)
             self._sync_deltas()
 
     def unsubscribe(self, sink) -> None:
         with self._w_lock:
-            self._close_fold()  # the sink leaving gets the decodes it has not been told of yet
             self.bus.unsubscribe(sink)
             self._sync_deltas()
-
-    def _close_fold(self) -> None:
-        """Build the open decode fold, if any, and deliver it now (under the lock, between calls)."""
-        if self._w_st.fold is not None:
-            self._flush_fold()
-            self._finish()
 
     def _set_counts(self) -> None:
         # What step() reads for the count checks, in one attribute: (count, shadow) of each pool, in pool order.
@@ -1205,24 +1201,12 @@ class InstrumentedAllocator:
                 p.shadow.deltas = None
         st, wants = self._w_st, self.bus.wants
         st.want_ledger = wants(ev.LedgerUpdate)
-        # Decodes' updates one by one for a sink that reads them; else, for a sink that reads their folds, folds
-        # (immediate verification only: deferred publishes a decode's update at the step boundary, so it builds the
-        # updates for that sink instead; see DecodeFold in events.py).
-        one_by_one, folds = self.bus.wants_decode_ledgers(), wants(ev.DecodeFold)
-        if st.deferred:
-            st.want_decode_ledger, st.fold_decodes = st.want_ledger and (one_by_one or folds), False
-        else:
-            st.want_decode_ledger, st.fold_decodes = st.want_ledger and one_by_one, folds and not one_by_one
-        if st.fold is not None and not st.fold_decodes:
-            self._flush_fold()  # delivered with the next call's events
         st.want_pages = want
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
         # events built). Frees are timed only when their Free event is built.
         st.want_alloc = wants(ev.Alloc)
-        # alloc_decode's Alloc events only for a sink that reads them: a sink may declare decode_allocs = False (see
-        # events.py); implies want_alloc. The call is timed for those and for a refusal's AllocFailed.
-        st.want_decode_alloc = want_decode = self.bus.wants_decode_allocs()
-        st.time_decode = want_decode or wants(ev.AllocFailed)
+        # A decode is timed only for its Alloc events and a refusal's AllocFailed.
+        st.time_decode = st.want_alloc or wants(ev.AllocFailed)
         st.want_free = wants(ev.Free)
         st.want_released = wants(ev.RequestReleased)
         st.want_step = wants(ev.StepBoundary)
@@ -1457,8 +1441,6 @@ class InstrumentedAllocator:
                 # The id is named (and carried as the violation's rid, so a hasher can redact it in the message).
                 self._invalid("release_request", ArgumentValueError("rid", f"unknown request id {rid!r}"), rid=rid)
             st.op = "release"
-            if st.fold is not None:
-                self._flush_fold()  # before the release resets the request's ledger values
             if st.deferred:
                 # The id is forgotten now, its slot checked and released in call order (behind the queued checks
                 # that still name it): a second release of the id is refused here, as under immediate
@@ -1647,8 +1629,6 @@ class InstrumentedAllocator:
         with st.lock:
             op = "alloc"
             st.op = op
-            if st.fold is not None:
-                self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             if type(need_size) is int and need_size >= 0:
                 n = need_size  # what check_int accepts and returns unchanged
             else:
@@ -1742,8 +1722,6 @@ class InstrumentedAllocator:
         st = self._w_st  # the wrapper's state, read from it (see _CallState)
         with st.lock:
             st.op = op
-            if st.fold is not None:
-                self._flush_fold()  # before this call changes any ledger value (see DecodeFold)
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, n = args[:6]
             # An SWA tail is judged before the call (_tail_evicted_check reads seq_lens_cpu and swa_tail_len): its
             # arguments are validated here first, whoever the inner is.
@@ -1851,6 +1829,8 @@ class InstrumentedAllocator:
                     led.owned["full"][slots] += grow
                     led.committed[slots] = seq
                     led.allocated[slots] = ceil_seq * ps if st.track_lengths else seq
+                if led.kept:
+                    led.unkeep(slots)  # the record is this allocation's now
                 if st.want_ledger:
                     self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
             swa_grow = None
@@ -2013,9 +1993,6 @@ class InstrumentedAllocator:
             else:
                 # _entries_before's two-pool case, inline (an SWA allocator's every decode): free+staged page counts.
                 before = [(p.count(), 0) for p in st.pools.values()]
-            fold = st.fold
-            if fold is not None and fold[0] is not slots:
-                self._flush_fold()  # another batch: the open fold ends before this decode changes any value
             timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
             cost = st.cost
             cost.stop_checks()
@@ -2027,7 +2004,7 @@ class InstrumentedAllocator:
                 self._invalid(op, exc)
             cost.start()
             dt = st.clock() - t0 if timed else 0.0
-            allocs = st.want_decode_alloc  # this call's Alloc events are built
+            allocs = st.want_alloc  # this call's Alloc events are built
             if st.need_sort:  # only need_sort merges (before then holds the staged counts _after_merge_check reads)
                 self._after_merge_check(before)
             if out is None:
@@ -2066,10 +2043,9 @@ class InstrumentedAllocator:
                         n_new = self._decode_fast(st, o, seq, slots, bound, bs)
             if n_new is not None:
                 if slots is not None:
-                    if st.want_decode_ledger:
+                    st.ledger.decode_steps[slots] += 1
+                    if st.want_ledger:
                         self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
-                    elif st.fold_decodes:
-                        self._fold_decode(st, slots, bound[0])
                 if allocs:
                     emit_alloc = self._emit_alloc
                     emit_alloc(op, bs, int(n_new), dt)
@@ -2113,11 +2089,9 @@ class InstrumentedAllocator:
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
             if not self._w_st.track_lengths:
                 led.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
-            st = self._w_st
-            if st.want_decode_ledger:
+            led.decode_steps[slots] += 1
+            if self._w_st.want_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
-            elif st.fold_decodes:
-                self._fold_decode(st, slots, self._w_bound[0])
         full, swa_pool = self._w_st.full, self._w_st.swa
         pos = seq - 1
 
@@ -2249,6 +2223,7 @@ class InstrumentedAllocator:
             shadow.owner[o] = prev
             return False
         led = st.ledger
+        _count_decodes(led, slots, shares)
         for arr in led.owned.values():
             arr[slots] += shares
         led.allocated[slots] += shares
@@ -2559,11 +2534,6 @@ class InstrumentedAllocator:
         st = self._w_st  # every read below from it (see _CallState)
         with st.lock:
             st.op = op
-            if st.fold is not None and op != "free_swa" and op != "free_swa_segment":
-                # Before the free changes any ledger value (see DecodeFold). A free of SWA pages alone (an SWA
-                # eviction, about one a step) changes none, unless it leaves a request with no page at all: the
-                # reset below closes the fold then.
-                self._flush_fold()
             # The usual call (a 1-D int64 host tensor, for an allocator on the host; an aligned int start) is
             # accepted inline; anything else goes through the full argument checks, which name the fault.
             if not (
@@ -2685,12 +2655,7 @@ class InstrumentedAllocator:
         track = st.track_lengths and not (led.inserting and s in led.inserting)
         if pool is full and track:
             # The request's allocated length follows its full-pool pages when they shrink (after its protected prefix).
-            cap = led.owned["full"].item(s) * ps + led.protected.item(s)
-            allocated = led.allocated.item(s)
-            if allocated > cap:
-                led.allocated[s] = allocated = cap
-            if led.committed.item(s) > allocated:
-                led.committed[s] = allocated
+            led.shrink_one(s, led.owned["full"].item(s) * ps + led.protected.item(s))
         rids = None
         if timed:
             rids = (led.rid_of(s),)
@@ -2701,8 +2666,7 @@ class InstrumentedAllocator:
                 break
         else:
             if track:  # else the engine's lengths: a request with no page left keeps them
-                if st.fold is not None:
-                    self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
+                led.keep(s)
                 led.reset(s)
                 led.tainted.discard(s)
         led.dirty.add(s)
@@ -2838,8 +2802,6 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             self._w_st.op = "resize"
-            if self._w_st.fold is not None:
-                self._flush_fold()
             self._drain(wait=True)
             self._w_st.cost.stop_checks()
             try:
@@ -2905,8 +2867,6 @@ class InstrumentedAllocator:
         inner = self._w_inner
         with self._w_lock:
             self._w_st.op = "clear"
-            if self._w_st.fold is not None:
-                self._flush_fold()
             # Rare and never on the hot path: finish the queued checks first, so that nothing queued before the
             # clear lands after it (the host-side page counts are reset now, with the shadow).
             self._drain(wait=True)
@@ -3195,9 +3155,7 @@ class InstrumentedAllocator:
                     else:
                         # The request's allocated length follows its full-pool pages when they shrink (after its
                         # protected prefix, the cache's pages).
-                        cap = led.owned["full"][shrink] * ps + led.protected[shrink]
-                        led.allocated[shrink] = np.minimum(led.allocated[shrink], cap)
-                        led.committed[shrink] = np.minimum(led.committed[shrink], led.allocated[shrink])
+                        led.shrink(shrink, led.owned["full"][shrink] * ps + led.protected[shrink])
             if self._w_st.want_free:
                 self._emit(
                     ev.Free,
@@ -3216,9 +3174,8 @@ class InstrumentedAllocator:
                 empty[:] = False  # the engine's lengths: a request with no page left keeps them until it writes
             elif inserting is not None:
                 empty &= ~np.isin(slots, inserting)
-            if self._w_st.fold is not None and empty.any():
-                self._flush_fold()  # an SWA free left a request no page: the fold's values before they reset
             for s in slots[empty]:
+                led.keep(int(s))
                 led.reset(int(s))
                 led.tainted.discard(int(s))
             led.dirty.update(int(s) for s in slots)
@@ -3241,9 +3198,7 @@ class InstrumentedAllocator:
         if op == "free_swa" or op == "free_swa_segment":
             return
         led = self._w_st.ledger
-        cap = led.owned["full"][slots] * self._w_ps + np.maximum(led.evicted[slots], led.protected[slots])
-        led.allocated[slots] = np.minimum(led.allocated[slots], cap)
-        led.committed[slots] = np.minimum(led.committed[slots], led.allocated[slots])
+        led.shrink(slots, led.owned["full"][slots] * self._w_ps + np.maximum(led.evicted[slots], led.protected[slots]))
 
     def _after_free_one(self, op: str, touched, duration: float, st: _CallState) -> None:
         """``_after_free`` for the usual free: one request's pages in one pool, in Python ints. ``st``: the
@@ -3259,12 +3214,7 @@ class InstrumentedAllocator:
             else:
                 # The request's allocated length follows its full-pool pages when they shrink (after its protected
                 # prefix, the cache's pages).
-                cap = led.owned["full"].item(s) * st.ps + led.protected.item(s)
-                allocated = led.allocated.item(s)
-                if allocated > cap:
-                    led.allocated[s] = allocated = cap
-                if led.committed.item(s) > allocated:
-                    led.committed[s] = allocated
+                led.shrink_one(s, led.owned["full"].item(s) * st.ps + led.protected.item(s))
         rids = None
         if st.want_free:
             rids = (led.rid_of(s),)
@@ -3275,8 +3225,7 @@ class InstrumentedAllocator:
                 break
         else:
             if track:  # else the engine's lengths: a request with no page left keeps them
-                if st.fold is not None:
-                    self._flush_fold()  # an SWA free left the request no page: the fold's values before they reset
+                led.keep(s)
                 led.reset(s)
                 led.tainted.discard(s)
         led.dirty.add(s)
@@ -3386,6 +3335,7 @@ class InstrumentedAllocator:
         led = self._w_st.ledger
         ps = self._w_ps
         pages = shares // ps if ps > 1 else shares
+        _count_decodes(led, slots, shares)
         for name in led.owned:
             led.owned[name][slots] += pages
         led.allocated[slots] += pages * ps
@@ -3496,6 +3446,7 @@ class InstrumentedAllocator:
             p.shadow.clear()
             led.owned[p.name][:] = 0
         for s in led.live_slots():
+            led.keep(int(s))  # a clear is no allocation: the requests' records stay what they were
             led.reset(int(s))
         led.tainted.clear()
 
@@ -3537,10 +3488,13 @@ class InstrumentedAllocator:
             )
         if st.want_released:
             st.seq = seq = st.seq + 1
-            st.events.append(_B_RELEASED(seq, st.clock(), st.step, rid, total, peak))
-        skipped = st.bus.skipped_frees
-        if skipped:  # the slot may be reused after the release (see events.py)
-            skipped.pop(slot, None)
+            allocated, committed, evicted = led.record(slot)
+            st.events.append(
+                _B_RELEASED(
+                    seq, st.clock(), st.step, rid, total, peak, allocated, committed, evicted,
+                    led.decode_steps.item(slot),
+                )
+            )  # fmt: skip
         if detached is None:
             led.release(rid, leaked=total > 0)
         else:
@@ -3854,33 +3808,6 @@ class InstrumentedAllocator:
                     st.seq = seq = st.seq + 1
                     events.append(_B_PAGES(seq, clock(), step, op, name, pages, owners))
 
-    @staticmethod
-    def _fold_decode(st: _CallState, slots: np.ndarray, rids: tuple) -> None:
-        """Count a verified decode of ``slots`` in the open fold (``alloc_decode`` closed any fold of another batch
-        on entry), or open one."""
-        fold = st.fold
-        if fold is None:
-            st.fold = [slots, rids, 1, st.step, st.step]
-        else:
-            fold[2] += 1
-            fold[4] = st.step
-
-    def _flush_fold(self) -> None:
-        """Build the open decode fold (``DecodeFold``: the requests' ledger values now) into this call's events and
-        close it. Called before anything changes those values but a further decode of the same batch."""
-        st = self._w_st
-        fold, st.fold = st.fold, None
-        slots, rids, n, first, last = fold
-        led = st.ledger
-        st.seq = seq = st.seq + 1
-        # Gathers by an index array: copies, owned by the event; slots and rids are the binding's (read-only).
-        st.events.append(
-            _B_FOLD(
-                seq, st.clock(), st.step, "alloc_decode", rids, slots, n, first, last,
-                led.allocated[slots], led.committed[slots], led.evicted[slots],
-            )
-        )  # fmt: skip
-
     def _emit_ledger(self, op: str, slots: np.ndarray, rids: tuple | None = None, *, private: bool = False) -> None:
         """A ``LedgerUpdate`` of ``slots`` (when some sink reads them). ``private``: the caller guarantees that
         nothing ever writes ``slots`` again (a fresh array no one else holds, or a read-only one whose memory no
@@ -3888,16 +3815,6 @@ class InstrumentedAllocator:
         st = self._w_st
         if st.want_ledger and slots.size:
             led = st.ledger
-            bus = st.bus
-            if not bus.want_free_ledgers and not op.startswith("alloc"):
-                # A free's update that no sink reads (free_ledgers = False, see events.py): what it would carry,
-                # kept per slot in the bus until the request's release. No event, so a free call alone delivers
-                # no batch.
-                skipped, mark = bus.skipped_frees, st.seq
-                allocated, committed = led.allocated, led.committed
-                for x in slots.tolist():
-                    skipped[x] = (mark, allocated.item(x), committed.item(x))
-                return
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_LEDGER(
