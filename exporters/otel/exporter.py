@@ -50,22 +50,11 @@ class OtelExporter(SpanSink):
     """Subscribe to ``alloc``'s events and trace its requests. See the module docstring for the contract."""
 
     name = "otel"  # the bus counts what this sink refused under this name
-    # What the spans read: the wrapper then skips building page deltas for us.
+    # What the spans read (typed subscription: the wrapper builds nothing else for us). Decodes' updates come
+    # too and cost one comparison each; a span's totals come with RequestReleased.
     event_types = frozenset(
-        {ev.Alloc, ev.LedgerUpdate, ev.DecodeFold, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
+        {ev.Alloc, ev.LedgerUpdate, ev.LedgerWrite, ev.SwaEvict, ev.RequestReleased, ev.ViolationEvent}
     )
-    # A decode is counted, and its requests' records taken, from the call's LedgerUpdate: alloc_decode's Alloc
-    # events are not read (ignored when another sink has them built), so the wrapper need not build them for us.
-    decode_allocs = False
-    # A free's LedgerUpdate only moves the current values (cur_*), which matter for the request's next allocation
-    # alone: the wrapper keeps them in bus.skipped_frees instead, read at that allocation (this sink runs on the
-    # wrapper's thread, as that requires), and a free call delivers no batch to us.
-    free_ledgers = False
-    # Nor each decode's LedgerUpdate: the wrapper folds a run of decodes of one batch into one DecodeFold, built
-    # before anything else changes those requests' values, so that on its own a decode builds no event for us
-    # either (the decode fold below is then the wrapper's). When another sink reads the per-decode updates (or
-    # verification is deferred) they come as before and are folded here.
-    decode_ledgers = False
 
     def __init__(
         self,
@@ -106,7 +95,6 @@ class OtelExporter(SpanSink):
         self._id_attr = attr_value if self._hasher is None else self._hasher
         self._alloc = alloc
         self._ledger = alloc.ledger
-        self._skipped_frees = alloc.bus.skipped_frees
         self._ps = int(alloc.page_size)
         self._max_events = max_events_per_span
         self._owns_provider = tracer_provider is None
@@ -137,35 +125,19 @@ class OtelExporter(SpanSink):
         # This batch's span events, added once its events are all handled (a prealloc's SWA tail length comes in
         # the batch's next Alloc): (record, name, attributes).
         self._later: list = []
-        # Consecutive decode steps of the same requests in the same order (one batch() block, or the next blocks
-        # of an unchanged batch: the rids tuples are equal, not necessarily the same object), folded:
-        # [rids tuple, latest LedgerUpdate, decodes not yet applied]; when all their spans are already open, the
-        # first decode is folded too (one pass over the batch per run of equal decodes, at the flush). Applied to
-        # the requests' records before any other event this sink reads them for is handled (and at shutdown), so
-        # every reader of those records sees what per-step updates would have left; events it does not read (Free,
-        # StepBoundary) leave the fold open, and so do two it reads without reading a record's values (a LedgerWrite
-        # and a SwaEvict of an open request: an SWA eviction, about one a step in a sliding-window engine): the
-        # write is kept in the fold's fourth item, [(record, column, value, seq)...], and the flush replays it
-        # after the decodes' values, where per-event updates would have left it (see _flush_decode).
-        # Valid while the set of open spans is unchanged since the tuple's requests were all found open
-        # (``_open_version``). Equal tuples name the same requests: ``==`` on rids is the open dict's key match.
-        self._dec: list | None = None
-        self._dec_version = -1
-        self._open_version = 0
         self._closed = False
         self.errors = 0
         self.last_error: str | None = None
         self._handlers = {
             ev.LedgerUpdate: self._on_ledger_update,
-            ev.DecodeFold: self._on_decode_fold,
             ev.Alloc: self._on_alloc,
             ev.LedgerWrite: self._on_ledger_write,
             ev.SwaEvict: self._on_swa_evict,
             ev.RequestReleased: self._on_released,
             ev.ViolationEvent: self._on_violation,
         }
-        # Attached mid-run: the ledger values of the requests that already hold KV, what their next allocation's
-        # share is measured from (a page-size-1 decode is told from a prefill by it); taken once, here.
+        # Attached mid-run: the lengths of the requests that already hold KV, what their next allocation's share
+        # is measured from (a page-size-1 decode is told from a prefill by it); taken once, here.
         self._seed: dict = {}
         self._prev_hook = None
         if self._off:
@@ -301,6 +273,15 @@ class OtelExporter(SpanSink):
                 return self._prev_hook(rid)
         return tid
 
+    def _ledger_record(self, rid) -> tuple | None:
+        """``(allocated, committed, evicted, decode_steps)`` of a live request, as its release would report them;
+        None when the ledger no longer knows it."""
+        led = self._ledger
+        with contextlib.suppress(Exception):  # read at shutdown: a request gone meanwhile has no record
+            slot = led[rid].slot
+            return (*led.record(slot), led.decode_steps.item(slot))
+        return None
+
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Export the ended spans now, waiting at most ``timeout_millis``. Blocks: never call it on the engine
         thread's hot path. False when it timed out or the provider reported a failure."""
@@ -324,12 +305,10 @@ class OtelExporter(SpanSink):
             if self._closed:
                 return True
             self._closed = True
-            self._flush_decode()
-            self._open_version += 1
             still_open, self._open = self._open, {}
-            for r in still_open.values():
+            for rid, r in still_open.items():
                 if r.sampled:
-                    self._end(r, at_shutdown=True)
+                    self._end(r, self._ledger_record(rid), at_shutdown=True)
         timeout_s = timeout_millis / 1000
         if not self._owns_provider:
             return self.force_flush(timeout_millis)

@@ -4,16 +4,18 @@ Contracts:
 - A request's span is an SDK span from ``tracer.start_span`` at the first event naming the request; the SDK's
   sampler decides there. A dropped span (``is_recording()`` False) keeps only its record's counters: no event
   attributes are built for it. Everything runs under the exporter's lock, on the engine thread, in memory.
-- ``_Req`` keeps two views of the request's ledger: reported (``allocated``/``committed``/``evicted``: as
-  allocations and checked writes left them; teardown frees do not zero them) and current (``cur_*``: frees
-  included), which the next allocation's per-request share is measured from.
+- A span's totals (``kv.allocated_len``, ``kv.committed_len``, ``kv.swa_evicted_seqlen``, ``kv.decode_steps``,
+  ``kv.pages.*``) come from ``RequestReleased``, the core's per-request record. ``_Req`` only keeps the ledger's
+  current lengths (frees and checked writes included, decodes not read), which the next non-decode allocation's
+  per-request share (``kv.n_slots`` of its event) is measured from.
+- Decodes are not read one by one: a decode's ``LedgerUpdate`` costs one comparison. A request first heard of at
+  its release (attached mid-run, only decoded since) gets its span there.
 - A span keeps at most ``max_events`` events: the first ``max_events - 1`` and ``kv.release``; the rest are
   counted in ``kv.events_dropped`` (plus any the SDK itself evicted, read from the span's ``dropped_events``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -39,14 +41,11 @@ PREFILL_OPS = frozenset({"alloc_extend", "alloc"})
 PREALLOC_OPS = frozenset({"alloc_extend_swa_tail", "alloc_logical_only"})
 DECODE_OPS = frozenset({"alloc_decode"})
 _ALLOC_OPS = PREFILL_OPS | PREALLOC_OPS | DECODE_OPS
-_LEDGER_FIELDS = {
-    "kv_allocated_len": "allocated",
-    "kv_committed_len": "committed",
-    "swa_evicted_seqlen": "evicted",
-}
+# The ledger fields whose checked writes name a request (opening its span), and the current length each moves
+# (what the next allocation is measured from; None: none).
+_LEDGER_FIELDS = {"kv_allocated_len": "cur_allocated", "kv_committed_len": "cur_committed", "swa_evicted_seqlen": None}
 # Ended requests remembered so that a later violation (a sweep's leak) lands in the request's trace.
 _RECENT_ENDED = 4096
-_NONES = itertools.repeat(None)  # slots not read: no skipped free to look up
 _W3C = TraceContextTextMapPropagator()
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -98,52 +97,35 @@ def _context_of(parent: SpanContext | None) -> Context:
 
 
 class _Req:
-    """An open request: its SDK span and what will be set on it at the end (see the module docstring)."""
+    """An open request: its SDK span, the ledger's current lengths and the span's counters."""
 
-    __slots__ = (
-        "allocated",
-        "committed",
-        "cur_allocated",
-        "cur_committed",
-        "decode_steps",
-        "dropped",
-        "evicted",
-        "mark",
-        "n_events",
-        "parent",
-        "sampled",
-        "span",
-        "violations",
-    )
+    __slots__ = ("cur_allocated", "cur_committed", "dropped", "n_events", "parent", "sampled", "span", "violations")
 
     def __init__(self, span, parent: SpanContext | None = None):
         self.span = span
         self.sampled = span.is_recording()  # False: the sampler dropped it, no event attributes are built
         self.parent = parent  # the engine's span of the request (set_parent), or None
-        self.allocated = self.committed = self.evicted = 0
         self.cur_allocated = self.cur_committed = 0
-        self.decode_steps = self.n_events = self.dropped = self.violations = 0
-        # seq of the latest event that set cur_*: a free skipped after it (bus.skipped_frees) moved them since.
-        self.mark = 0
+        self.n_events = self.dropped = self.violations = 0
 
     def context(self) -> SpanContext:
         return self.span.get_span_context()
 
-    def finish(self, held: int | None = None, peak: int | None = None, *, at_shutdown: bool = False) -> int:
-        """Set the final attributes and end the span. Returns the events the SDK itself evicted (its limit was
-        below our bound: a provider passed in), already added to ``kv.events_dropped``."""
+    def finish(self, record: tuple | None, held: int | None = None, peak: int | None = None, *, at_shutdown=False):
+        """Set the final attributes and end the span. ``record``: ``(allocated, committed, evicted, decode_steps)``
+        (None: unknown). Returns the events the SDK itself evicted (its limit was below our bound: a provider
+        passed in), already added to ``kv.events_dropped``."""
         span = self.span
         if at_shutdown:
             span.set_attribute("kv.open_at_shutdown", True)
         evicted = getattr(span, "dropped_events", 0) or 0
-        attrs = {
-            "kv.allocated_len": self.allocated,
-            "kv.committed_len": self.committed,
-            "kv.swa_evicted_seqlen": self.evicted,
-            "kv.violations": self.violations,
-            "kv.decode_steps": self.decode_steps,
-            "kv.events_dropped": self.dropped + evicted,
-        }
+        attrs = {}
+        if record is not None:
+            attrs["kv.allocated_len"], attrs["kv.committed_len"], attrs["kv.swa_evicted_seqlen"] = record[:3]
+        attrs["kv.violations"] = self.violations
+        if record is not None:
+            attrs["kv.decode_steps"] = record[3]
+        attrs["kv.events_dropped"] = self.dropped + evicted
         if peak is not None:
             attrs["kv.pages.peak"] = peak
         if held is not None:
@@ -164,14 +146,12 @@ class SpanSink:
             later = self._later  # empty between batches
             try:
                 handlers = self._handlers
-                # Each handler that reads a request's record applies the folded decodes first (_flush_decode); an
-                # event we do not read (Free, StepBoundary, ...) has no handler: no record is read or moved.
                 for e in batch:
                     h = handlers.get(type(e))
                     if h is not None:
                         h(e, later)
                 if later:
-                    limit = self._max_events - 1  # _add_event, inlined
+                    limit = self._max_events - 1  # the last place is kept for kv.release
                     for r, name, attrs in later:
                         if r.n_events < limit:
                             r.n_events += 1
@@ -205,25 +185,16 @@ class SpanSink:
             attributes={"kv.request.id": self._id_attr(rid), "kv.page_size": self._ps},
         )
         r = _Req(span, parent)
+        if self._seed:  # attached mid-run: the lengths the request already had
+            first = self._seed.pop(rid, None)
+            if first is not None:
+                r.cur_allocated, r.cur_committed = first
         self._open[rid] = r
-        self._open_version += 1
         self._ended.pop(rid, None)
         return r
 
-    def _req(self, rid) -> _Req:
-        r = self._open.get(rid)
-        return r if r is not None else self._start(rid)
-
-    def _add_event(self, r: _Req, name: str, attrs: dict, *, reserved: bool = False) -> None:
-        limit = self._max_events if reserved else self._max_events - 1
-        if r.n_events < limit:
-            r.n_events += 1
-            r.span.add_event(name, attrs)
-        else:
-            r.dropped += 1
-
-    def _end(self, r: _Req, held=None, peak=None, *, at_shutdown: bool = False) -> None:
-        if r.finish(held, peak, at_shutdown=at_shutdown) and not self._warned_evictions:
+    def _end(self, r: _Req, record, held=None, peak=None, *, at_shutdown: bool = False) -> None:
+        if r.finish(record, held, peak, at_shutdown=at_shutdown) and not self._warned_evictions:
             self._warned_evictions = True
             _logger.warning(
                 "the tracer provider's span event limit is below max_events_per_span (%d): the SDK evicted a "
@@ -235,121 +206,26 @@ class SpanSink:
     def _on_ledger_update(self, e: ev.LedgerUpdate, later: list) -> None:
         op = e.op
         if op in DECODE_OPS:
-            d = self._dec
-            rids = e.rids
-            if d is not None and (d[0] is rids or d[0] == rids) and self._dec_version == self._open_version:
-                d[1] = e  # the hot path: the next decode of the same requests is folded (see __init__)
-                d[2] += 1
-                return
-            if d is not None:
-                self._flush_decode()
-            if all(map(self._open.__contains__, rids)):
-                # Every request's span is open: this decode starts a fold without touching them; the one pass over
-                # the batch is the flush's, however many equal decodes follow.
-                self._dec = [rids, e, 1, []]
-                self._dec_version = self._open_version
-                return
-        else:
-            if self._dec is not None:
-                self._flush_decode()
-            if op not in _ALLOC_OPS:
-                # Frees: a request torn down before its release keeps its last allocated record on the span; only
-                # the current values move (a retracted request's next prefill is measured from them).
-                get = self._open.get
-                seq = e.seq
-                for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
-                    r = get(rid)
-                    if r is not None:
-                        r.cur_allocated, r.cur_committed = a, c
-                        r.mark = seq
-                return
-        if op in DECODE_OPS:
-            # A decode naming a request with no open span (or None): one pass now, opening spans as needed, counted
-            # here, not per Alloc event; the decodes after it fold.
-            self._apply_decodes(e, 1)
-            self._dec = [e.rids, e, 0, []]
-            self._dec_version = self._open_version
-            return
-        alloc, comm = e.allocated.tolist(), e.committed.tolist()
-        pending = self._pending
+            return  # the per-token call: its count comes with RequestReleased
         get = self._open.get
-        seq = e.seq
-        skipped = self._skipped_frees
-        for rid, a, c, v, slot in zip(e.rids, alloc, comm, e.evicted.tolist(), e.slots.tolist() if skipped else _NONES):
+        if op not in _ALLOC_OPS:
+            # A free: a request torn down before its release keeps its record (RequestReleased says so); only the
+            # current lengths move (a retracted request's next prefill is measured from them).
+            for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
+                r = get(rid)
+                if r is not None:
+                    r.cur_allocated, r.cur_committed = a, c
+            return
+        pending = self._pending
+        for rid, a, c in zip(e.rids, e.allocated.tolist(), e.committed.tolist()):
             if rid is None:
                 continue
             r = get(rid)
             if r is None:
                 r = self._start(rid)
-                if self._seed:
-                    first = self._seed.pop(rid, None)
-                    if first is not None:
-                        r.cur_allocated, r.cur_committed = first
-            if skipped:
-                # A free since the record's latest update whose LedgerUpdate was not built (free_ledgers = False):
-                # the values it left are what this allocation's share is measured from, as its update would have
-                # set them. Before this update only (mark < seq): a free later in the same call is not yet.
-                f = skipped.get(slot)
-                if f is not None and r.mark <= f[0] < seq:
-                    r.cur_allocated, r.cur_committed = f[1], f[2]
+            # rid -> (committed delta, allocated delta, committed before, record): this call's shares.
             pending[rid] = (c - r.cur_committed, a - r.cur_allocated, r.cur_committed, r)
-            r.allocated, r.committed, r.evicted = a, c, v
             r.cur_allocated, r.cur_committed = a, c
-            r.mark = seq
-
-    def _flush_decode(self) -> None:
-        """Apply the folded decode steps (see ``__init__``): each request's record as the latest decode left it,
-        then the deferred ledger writes, each where the per-event order puts it: one made after the latest folded
-        decode (seq above it), or to a request the decodes do not name, is applied; one made before it, to a
-        request it names, is what that decode's values replaced (the decode carries the ledger as of its call)."""
-        d, self._dec = self._dec, None
-        if d is None:
-            return
-        _, e, n, writes = d
-        seq = e.seq
-        if n:
-            # map(get, ...) rather than get(rid) in the loop: one C call per request instead of a Python-level call.
-            for r, a, c, v in zip(
-                map(self._open.get, e.rids), e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()
-            ):
-                if r is None:
-                    continue  # rid None (unattributed)
-                r.allocated = r.cur_allocated = a
-                r.committed = r.cur_committed = c
-                r.evicted = v
-                r.decode_steps += n
-                r.mark = seq
-        # Every request the fold names has mark == seq here (set above, or by the decode applied at once when the
-        # fold began; a deferred write does not move mark until now), and no other request can: seq is the
-        # latest decode's, and the writes are later than the fold's first decode.
-        for r, column, value, wseq in writes:
-            if wseq > seq or r.mark != seq:
-                self._apply_write(r, column, value, wseq)
-
-    def _on_decode_fold(self, e: ev.DecodeFold, later: list) -> None:
-        """``e.n`` decodes of ``e.rids`` folded by the wrapper: each request's record as ``e`` leaves it (the values
-        when the fold was built), ``e.n`` decode steps more, as that many per-decode updates would have left it;
-        a request with no open span gets one now (its decodes are the first we hear of it)."""
-        if self._dec is not None:
-            self._flush_decode()
-        self._apply_decodes(e, e.n)
-
-    def _apply_decodes(self, e, n: int) -> None:
-        """``n`` decodes of ``e.rids`` (a decode's LedgerUpdate, or a DecodeFold): each request's record as ``e``
-        leaves it, ``n`` decode steps more; a request with no open span gets one (an unattributed one is skipped)."""
-        get = self._open.get
-        seq = e.seq
-        for rid, a, c, v in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
-            r = get(rid)
-            if r is None:
-                if rid is None:
-                    continue
-                r = self._start(rid)
-            r.allocated = r.cur_allocated = a
-            r.committed = r.cur_committed = c
-            r.evicted = v
-            r.decode_steps += n
-            r.mark = seq
 
     def _on_alloc(self, e: ev.Alloc, later: list) -> None:
         rids = e.rids
@@ -357,9 +233,7 @@ class SpanSink:
             return  # not bound to requests: nothing to attribute
         op = e.op
         if op in DECODE_OPS:
-            return  # counted from this call's ledger update
-        if self._dec is not None:
-            self._flush_decode()
+            return  # built for another sink: a decode makes no span event
         if e.pool != "full":
             if op == "alloc_extend_swa_tail":  # the SWA side of a prealloc: its tail length
                 reqs = {id(self._open.get(rid)) for rid in rids}
@@ -376,12 +250,10 @@ class SpanSink:
         for rid, delta in zip(rids, deltas):
             if rid is None:
                 continue
-            # The record this batch's ledger update found or opened (released by no event in between: both
-            # come from the one allocation call).
-            r = delta[3] if delta is not None else self._req(rid)
+            # The record this call's ledger update found or opened (both events come from the one call).
+            r = delta[3] if delta is not None else (self._open.get(rid) or self._start(rid))
             if op == "alloc" and exact and delta[0] == 1 and delta[2] > 0:
-                r.decode_steps += 1
-                continue
+                continue  # SGLang's decode at page size 1: counted in RequestReleased.decode_steps
             if not r.sampled:
                 continue  # no span: no event to build
             attrs = {"kv.op": op, "kv.step": e.step}
@@ -399,35 +271,20 @@ class SpanSink:
             later.append((r, EV_PREALLOC if op in PREALLOC_OPS else EV_PREFILL, attrs))
 
     def _on_ledger_write(self, e: ev.LedgerWrite, later: list) -> None:
-        column = _LEDGER_FIELDS.get(e.field)
-        if column is None or e.rid is None:
+        if e.field not in _LEDGER_FIELDS or e.rid is None:
             return
         r = self._open.get(e.rid)
-        if self._dec is not None:
-            if r is not None:
-                self._dec[3].append((r, column, e.new, e.seq))  # replayed by the flush (see __init__)
-                return
-            self._flush_decode()
         if r is None:
             r = self._start(e.rid)
-        self._apply_write(r, column, e.new, e.seq)
-
-    @staticmethod
-    def _apply_write(r: _Req, column: str, value: int, seq: int) -> None:
-        setattr(r, column, value)
-        if column != "evicted":
-            setattr(r, "cur_" + column, value)
-            r.mark = seq
+        column = _LEDGER_FIELDS[e.field]
+        if column is not None:
+            setattr(r, column, e.new)
 
     def _on_swa_evict(self, e: ev.SwaEvict, later: list) -> None:
         if e.rid is None:
             return
-        # Reads no record's values (its span event counts at the batch's end): an open request's leaves the fold
-        # open. Opening a span first applies the fold, as every other event that changes the open set does.
         r = self._open.get(e.rid)
         if r is None:
-            if self._dec is not None:
-                self._flush_decode()
             r = self._start(e.rid)
         if not r.sampled:
             return
@@ -440,23 +297,29 @@ class SpanSink:
         later.append((r, EV_SWA_EVICT, attrs))
 
     def _on_released(self, e: ev.RequestReleased, later: list) -> None:
-        if self._dec is not None:
-            self._flush_decode()
         r = self._open.pop(e.rid, None)
+        if r is None:
+            if not (e.allocated or e.committed or e.decode_steps or e.pages_peak or e.pages_held):
+                if self._parents:
+                    self._parents.pop(e.rid, None)  # a parent set for a request that never allocated
+                return  # nothing was allocated for it: no span
+            # First heard of at its release (attached mid-run and only decoded since): its span is opened here.
+            r = self._start(e.rid)
+            del self._open[e.rid]
         if self._seed:
             self._seed.pop(e.rid, None)
-        if r is None:
-            if self._parents:
-                self._parents.pop(e.rid, None)  # a parent set for a request that never allocated
-            return  # released without any traced event: nothing was allocated for it
-        self._open_version += 1
         if r.parent is not None:  # a later span of this request (a re-prefill after a retraction) joins that trace
             put_recent(self._ended_parents, e.rid, r.parent, _RECENT_ENDED)
         if r.sampled:
             if later:  # this batch's earlier events first, then the release in its reserved place
+                limit = self._max_events - 1
                 for item in later:
                     if item[0] is r:
-                        self._add_event(r, item[1], item[2])
+                        if r.n_events < limit:
+                            r.n_events += 1
+                            r.span.add_event(item[1], item[2])
+                        else:
+                            r.dropped += 1
                 later[:] = [item for item in later if item[0] is not r]
             held, peak = e.pages_held, e.pages_peak
             if r.n_events < self._max_events:  # the place kept for kv.release
@@ -464,12 +327,10 @@ class SpanSink:
                 r.span.add_event(EV_RELEASE, {"kv.pages_held": held, "kv.pages_peak": peak, "kv.step": e.step})
             else:
                 r.dropped += 1
-            self._end(r, held, peak)
+            self._end(r, (e.allocated, e.committed, e.evicted, e.decode_steps), held, peak)
         put_recent(self._ended, e.rid, r.context(), _RECENT_ENDED)  # its context, for later violations in its trace
 
     def _on_violation(self, e: ev.ViolationEvent, later: list) -> None:
-        if self._dec is not None:
-            self._flush_decode()
         v = e.violation
         rid = v.rid
         message = v.message if self._hasher is None else self._hasher.message(v.message, rid)

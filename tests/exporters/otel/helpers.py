@@ -19,7 +19,7 @@ from instrumented_alloc.allocators import (
     PagedTokenToKVPoolAllocator,
     SWATokenToKVPoolAllocator,
 )
-from instrumented_alloc.events import LedgerUpdate, ViolationEvent
+from instrumented_alloc.events import ViolationEvent
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
 from tests.engine_model import Req, decode_args, extend_args, split_extend, t
 from tests.otlp_receiver import Receiver
@@ -56,28 +56,6 @@ def request_spans(exporter) -> dict:
 
 def events(span, name=None) -> list:
     return [(e.name, dict(e.attributes)) for e in span.events if name is None or e.name == name]
-
-
-class PerDecodeUpdates:
-    """A sink that reads every decode's LedgerUpdate (it does not declare ``decode_ledgers = False``; it declares
-    the exporter's other two, so nothing else is built for it): beside it the wrapper builds those updates instead
-    of folds, and the exporter folds them itself."""
-
-    name = "per-decode-updates"
-    event_types = frozenset({LedgerUpdate})
-    free_ledgers = False
-    decode_allocs = False
-
-    def __call__(self, batch) -> None:
-        return None
-
-
-def fold_in(w, where: str) -> None:
-    """Where runs of decodes get folded for the exporter: "wrapper" (the exporter alone: ``DecodeFold``) or
-    "exporter" (a sink that reads the per-decode updates is subscribed too)."""
-    assert where in ("wrapper", "exporter")
-    if where == "exporter":
-        w.subscribe(PerDecodeUpdates())
 
 
 def free_port() -> int:
@@ -263,8 +241,8 @@ def scenario_spans(exporter_of, seed: int, *, parents: bool = False) -> tuple[li
 
 
 class EveryKind:
-    """A sink with no ``event_types``: the wrapper builds every kind for it (free LedgerUpdates, decode Allocs),
-    so the exporter receives those instead of reading ``bus.skipped_frees``."""
+    """A sink with no ``event_types``: the wrapper builds every kind for it (decode Allocs, page deltas, ...), which
+    the exporter then receives too."""
 
     name = "every-kind"
 

@@ -32,7 +32,6 @@ from tests.exporters.otel.helpers import (
     equivalence_scenario,
     events,
     extend,
-    fold_in,
     from_sdk,
     hex_id,
     paged,
@@ -368,22 +367,15 @@ def test_swa_prealloc_and_evictions(memory):
     assert sq.attributes["kv.committed_len"] == 16
 
 
-@pytest.mark.parametrize("where", ["exporter", "wrapper"])
-def test_swa_evictions_leave_the_decode_fold_open(memory, where):
-    """An SWA eviction of an open request (its ``swa_evicted_seqlen`` write and ``SwaEvict``) reads no record's
-    values: the decode fold stays open across it. Folded by the exporter (per-decode updates delivered), the write
-    is deferred and replayed at the flush where per-event updates put it: after the folded decodes' values when it
-    is the later (a release right after the eviction), or replaced by a later decode's values (the decode carries
-    the ledger as of its call), or applied whatever the decodes when it names a request they do not (one that
-    holds KV but does not decode). Folded by the wrapper, the eviction's free of SWA pages changes no ledger value
-    and leaves its fold open too; the write arrives first and the fold, built later, carries the values with it.
-    The spans are the same either way."""
+def test_swa_evictions_between_decodes(memory):
+    """SWA evictions of decoding requests and of one that holds KV without decoding: each request's span ends
+    with its last ``swa_evicted_seqlen`` (a write after the latest decode included), its decode count and its
+    allocated length, and one ``kv.swa_evict`` event per eviction."""
     provider, mem = memory
     w = InstrumentedAllocator(
         SWATokenToKVPoolAllocator(128, 128, PS, torch.float16, "cpu", None, False), mode="record", sliding_window=8
     )
-    exp = OtelExporter(w, tracer_provider=provider)
-    fold_in(w, where)
+    OtelExporter(w, tracer_provider=provider)
     p, q, r = Req("p"), Req("q"), Req("r")
     extend(w, [p, q, r], [10, 10, 14])
 
@@ -399,10 +391,6 @@ def test_swa_evictions_leave_the_decode_fold_open(memory, where):
             evict(p, 4)
             evict(q, 4)
             evict(r, 4)  # a request the decodes do not name
-            if where == "exporter":
-                assert exp._dec is not None and len(exp._dec[3]) == 3  # the fold stays open, the writes deferred
-            else:
-                assert exp._dec is None and w._w_st.fold[2] == 2  # the wrapper's fold stays open: two decodes
     evict(p, 8)  # after the latest decode: the value p's span ends with
     w.free(t(p.row))
     w.release_request("p")
@@ -514,47 +502,24 @@ def test_recorder_and_spans_agree_on_pseudonyms(memory, tmp_path):
     assert sorted(request_spans(mem)) == sorted(released)
 
 
-@pytest.mark.parametrize("where", ["exporter", "wrapper"])
-def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory, where):
-    """Decodes in separate ``batch()`` blocks naming the same requests in the same order (equal rid tuples, not
-    the same object; steps between them: events this sink does not read) are folded into one pending update, the
-    first decode too when every span is open; a decode of a different batch or a release applies it first (the
-    frees before a release build no event for this sink: ``free_ledgers = False``).
-    The spans are what per-step updates gave before the fold (the unfolded sink's values: allocated_len counts
-    the slots of whole pages reserved, page size 4). The wrapper folds the same runs (the equal ids bind the same
-    slots array while no request joins or leaves the ledger): it builds the fold at the next decode of another
-    batch or at the free."""
+def test_decodes_of_separate_blocks_are_counted_per_request(memory):
+    """Decodes in separate ``batch()`` blocks, of both requests or of one: each span counts the decodes that
+    included its request and ends with the lengths they left (allocated_len counts the slots of whole pages
+    reserved, page size 4); decodes make no span event."""
     provider, mem = memory
     w = paged()
-    exp = OtelExporter(w, tracer_provider=provider)
-    fold_in(w, where)
-    folds = w._w_st if where == "wrapper" else None
+    OtelExporter(w, tracer_provider=provider)
     a, b = Req("a"), Req("b")
     extend(w, [a, b], [5, 7])
     for _ in range(3):
         decode(w, [a, b])  # a new list, so a new rids tuple, each time
         w.step()
-    if folds is None:
-        assert exp._dec is not None and exp._dec[2] == 3  # all three folded (both spans were open): nothing applied
-    else:
-        assert exp._dec is None and folds.fold[2] == 3
-    decode(w, [b])  # a different batch: the fold is applied, b alone starts a new one
-    if folds is None:
-        assert exp._dec[0] == ("b",) and exp._dec[2] == 1
-    else:
-        assert folds.fold[1] == ("b",) and folds.fold[2] == 1
-        assert request_spans(mem) == {}  # the first fold was applied: no span ended
+    decode(w, [b])
     for _ in range(2):
         decode(w, [a, b])
         w.step()
-    assert (exp._dec if folds is None else folds.fold)[2] == 2
     w.free(t(a.row))
-    if folds is None:
-        assert exp._dec[2] == 2  # nothing delivered to this sink
-    else:
-        assert folds.fold is None  # built before the free changed a's values, delivered with the free
     w.release_request("a")
-    assert exp._dec is None
     w.free(t(b.row))
     w.release_request("b")
     spans = request_spans(mem)
@@ -565,25 +530,17 @@ def test_decodes_of_separate_blocks_with_equal_requests_are_folded(memory, where
     assert not w.violations
 
 
-@pytest.mark.parametrize("where", ["exporter", "wrapper"])
-def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory, where):
-    """An exporter attached after a request's prefill first sees it at a decode: folding itself, that decode opens
-    the span and is applied at once (not folded: no span to fold into yet); the next equal decodes fold into it.
-    With the wrapper folding, the span opens when the fold arrives (here with the free); the spans are the same."""
+def test_a_request_first_heard_of_at_its_release_gets_its_span_there(memory):
+    """An exporter attached after a request's prefill that only sees its decodes (which it does not read one by
+    one) opens the request's span at its release, with the record the release carries."""
     provider, mem = memory
     w = paged()
     a, b = Req("a"), Req("b")
     extend(w, [a, b], [5, 7])
     exp = OtelExporter(w, tracer_provider=provider)
-    fold_in(w, where)
-    decode(w, [a, b])
-    if where == "exporter":
-        assert exp.open_requests == 2 and exp._dec[2] == 0  # the first decode applied in its pass
-    else:
-        assert exp.open_requests == 0 and w._w_st.fold[2] == 1
-    decode(w, [a, b])
-    decode(w, [a, b])
-    assert (exp._dec[2] == 2) if where == "exporter" else (w._w_st.fold[2] == 3)
+    for _ in range(3):
+        decode(w, [a, b])
+    assert exp.open_requests == 0
     w.free(t(a.row))
     w.release_request("a")
     sa = request_spans(mem)["a"]
@@ -596,10 +553,9 @@ def test_decode_of_a_request_without_an_open_span_opens_it_then_folds(memory, wh
     assert not w.violations
 
 
-def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_they_are():
-    """The exporter declares ``decode_allocs = False`` (decodes are counted from their LedgerUpdate): alone, the
-    wrapper builds no ``alloc_decode`` Alloc for it; with a sink that reads every event, it receives them and
-    ignores them. The spans are the same either way, attribute for attribute, event for event."""
+def test_events_built_for_another_sink_change_no_span():
+    """Beside a sink that reads every kind (decode Allocs, page deltas, ...), the exporter receives them and
+    ignores what it does not read: the spans are the same as alone, attribute for attribute, event for event."""
     from instrumented_alloc import events as ev
 
     class Keep:
@@ -611,7 +567,6 @@ def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_th
             self.events = []
             if like_otel:
                 self.event_types = OtelExporter.event_types
-                self.decode_allocs = OtelExporter.decode_allocs
 
         def __call__(self, batch):
             self.events.extend(batch)
@@ -640,9 +595,9 @@ def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_th
             {k: v for k, v in r.items() if k not in ("trace", "id", "times", "parent")} for r in spans
         ], decode_allocs
 
-    alone, none_built = run([])
+    alone, received = run([])
     with_keeper, built = run([Keep()])
-    assert none_built == [] and len(built) == 6 * 2  # six decodes, two pools each
+    assert len(received) == len(built) == 6 * 2  # six decodes, two pools each: received, no span event
     assert alone == with_keeper
     assert sorted(r["attributes"].get("kv.decode_steps", -1) for r in alone if r["name"] == "kv.request") == [
         6,
@@ -654,13 +609,12 @@ def test_decode_allocs_are_not_built_for_the_exporter_and_change_nothing_when_th
 
 
 @pytest.mark.parametrize("verify", ["immediate", "deferred"])
-def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_they_are(verify):
-    """The exporter declares ``free_ledgers = False``: alone, the wrapper builds no LedgerUpdate of a free for it
-    (a free call delivers nothing) and keeps the values each would have carried in ``bus.skipped_frees`` until the
-    release; the exporter measures a request's next allocation from them. With a sink that reads every event, it
-    receives the frees' updates instead. The spans are the same either way, attribute for attribute, event for
-    event: a retracted request's re-prefill, a partial free followed by a decode (the free's values are older than
-    the decode's: not used) and by an extend (used), in immediate and deferred verification."""
+def test_an_allocation_after_a_free_is_measured_from_the_free(verify):
+    """Each event's ``kv.n_slots`` is the request's share of the call, measured from the lengths the request's
+    previous allocation or free left: a retracted request's re-prefill, a partial free followed by an extend, in
+    immediate and deferred verification. Decodes are not read one by one, so an extend right after a decode of
+    the same request (no free between) is measured from before that decode: its shares miss the call's total and
+    the events carry the batch's figures instead. A sink reading every kind beside it changes nothing."""
     from instrumented_alloc import events as ev
 
     class Keep:
@@ -670,8 +624,6 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
             self.events = []
             if like_otel:
                 self.event_types = OtelExporter.event_types
-                self.decode_allocs = OtelExporter.decode_allocs
-                self.free_ledgers = OtelExporter.free_ledgers
 
         def __call__(self, batch):
             self.events.extend(batch)
@@ -700,7 +652,7 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
         w.free(t(b.row[8:]))  # b's last page (slot 8): its record shrinks to 8
         w.step()
         b.row = b.row[:8]
-        decode(w, [b])  # newer than the free: b's next extend is measured from this decode (9)
+        decode(w, [b])  # newer than the free, not read: b's next extend is measured from the free (8)
         extend(w, [b, c], [3, 1])
         w.step()
         w.free(t(b.row[8:]))  # back to 8 tokens, then an extend measured from the free
@@ -708,23 +660,20 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
         b.row = b.row[:8]
         extend(w, [b, c], [2, 1])
         w.step()
-        skipped_live = dict(w.bus.skipped_frees)
         for r in (a, b, c):
             w.free(t(r.row))
             w.step()
             w.release_request(r.rid)
         w.step()
         assert not w.violations
-        assert w.bus.skipped_frees == {}  # each entry dropped at its request's release
         spans = request_spans(mem)
         provider.shutdown()
         free_updates = [e for e in seen.events if type(e) is ev.LedgerUpdate and not e.op.startswith("alloc")]
-        return spans, free_updates, skipped_live
+        return spans, free_updates
 
-    alone, none_built, skipped = run([])
-    with_keeper, built, none_kept = run([Keep()])
-    assert none_built == [] and len(built) == 6
-    assert len(skipped) == 2 and none_kept == {}  # a's and b's slots, until their release
+    alone, received = run([])
+    with_keeper, _ = run([Keep()])
+    assert len(received) == 6  # every free's update reaches the exporter
     assert alone.keys() == with_keeper.keys() == {"a", "b", "c"}
     for rid in alone:
         x, y = alone[rid], with_keeper[rid]
@@ -733,8 +682,11 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
             (e.name, list(e.attributes.items())) for e in y.events
         ]
     assert [e["kv.n_slots"] for _, e in events(alone["a"], "kv.prefill")] == [5, 6]
-    assert [e["kv.n_slots"] for _, e in events(alone["b"], "kv.prefill")] == [7, 3, 2]
-    assert [e["kv.n_slots"] for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 1, 1]
+    after_decode = {"kv.op": "alloc_extend", "kv.batch_size": 2, "kv.batch_n_slots": 4, "kv.batch_n_pages": 1}
+    assert [e.get("kv.n_slots", e.get("kv.batch_n_slots")) for _, e in events(alone["b"], "kv.prefill")] == [7, 4, 2]
+    assert [e.get("kv.n_slots", e.get("kv.batch_n_slots")) for _, e in events(alone["c"], "kv.prefill")] == [6, 2, 4, 1]
+    for rid in "bc":
+        assert {k: v for k, v in events(alone[rid], "kv.prefill")[2][1].items() if k != "kv.step"} == after_decode
 
 
 @pytest.mark.parametrize(
@@ -749,8 +701,8 @@ def test_free_ledgers_are_not_built_for_the_exporter_and_change_nothing_when_the
 )
 def test_demo_spans_are_the_same_on_every_path(preset, page_size, seed, inject, verify):
     """Faulted demo runs (continuous batching, chunked prefill, retraction, SWA eviction, the injected faults):
-    our own provider alone, the same beside a sink that has every kind built (the frees' LedgerUpdates arrive
-    instead of ``bus.skipped_frees``, decode Allocs arrive and are ignored) and the SDK's own spans give the same
+    our own provider alone, the same beside a sink that has every kind built (decode Allocs arrive and are
+    ignored) and a provider passed in give the same
     spans, attribute for attribute and event for event. A differential fuzz of 131 such runs (random presets,
     page sizes, seeds, one to three faults, both verification modes) found no difference; these are five."""
     own, violations = demo_spans(preset, page_size, seed, inject, verify, "own")
