@@ -1,6 +1,5 @@
-"""DOC"""
-
-
+"""OtelExporter.set_parent: request spans as children of the engine's own spans (a SpanContext, a Span, a Context or
+W3C trace-context headers), in the engine's traces."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""DOC"""
-
-
+"""OtelExporter: sampling by the SDK's samplers at each span's start; tracing off when no span can be sampled;
+trace ids and exemplars only for sampled requests."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""DOC"""
-
-
+"""OtelExporter: request spans from a wrapped allocator (in memory): events, attributes, status, violation spans,
+SWA, decodes counted from RequestReleased, what an allocation's event measures, shutdown.
+"""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -20,13 +18,11 @@ from instrumented_alloc.allocators import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from instrumented_alloc.events import RequestReleased, ViolationEvent
+from instrumented_alloc.events import ViolationEvent
 from instrumented_alloc.prealloc import alloc_for_decode_prealloc, swa_tail_len
 from tests.engine_model import Req, extend_args, t
 from tests.exporters.otel.helpers import (
-    HASH_KEY,
     PS,
-    all_span_text,
     decode,
     demo_spans,
     equivalence_scenario,
@@ -35,12 +31,8 @@ from tests.exporters.otel.helpers import (
     from_sdk,
     hex_id,
     paged,
-    pseudonym,
-    received_events,
     request_spans,
-    three_requests,
 )
-from tests.otlp_receiver import Receiver
 
 
 def test_request_spans_scripted(memory):
@@ -209,28 +201,6 @@ def test_prefill_of_new_requests_with_a_cached_prefix(memory):
     ]
     batch = {"kv.op": "alloc_extend", "kv.step": 1, "kv.batch_size": 2, "kv.batch_n_slots": 8, "kv.batch_n_pages": 3}
     assert events(spans["r"], "kv.prefill") == events(spans["s"], "kv.prefill") == [("kv.prefill", batch)]
-
-
-def test_events_per_span_are_bounded(memory):
-    provider, mem = memory
-    w = paged()
-    OtelExporter(w, tracer_provider=provider, max_events_per_span=3)
-    a = Req("a")
-    for _ in range(5):  # chunked prefill: five prefill events
-        extend(w, [a], [4])
-        w.step()
-    for _ in range(6):
-        decode(w, [a])
-    w.free(t(a.row))
-    w.release_request("a")
-    sa = request_spans(mem)["a"]
-    # The first two prefills, then the release in the place kept for it.
-    assert [name for name, _ in events(sa)] == ["kv.prefill", "kv.prefill", "kv.release"]
-    assert [e["kv.step"] for _, e in events(sa, "kv.prefill")] == [0, 1]
-    assert sa.attributes["kv.events_dropped"] == 3
-    assert sa.attributes["kv.decode_steps"] == 6
-    assert sa.attributes["kv.allocated_len"] == 28 and sa.attributes["kv.committed_len"] == 26
-    assert sa.attributes["kv.pages.peak"] == 7
 
 
 def test_violation_without_request_gets_its_own_span(memory):
@@ -407,99 +377,6 @@ def test_swa_evictions_between_decodes(memory):
     assert got == {"p": (8, 6, 16), "q": (4, 6, 16), "r": (4, 0, 16)}
     assert [n for n, _ in events(spans["p"])] == ["kv.prefill", "kv.swa_evict", "kv.swa_evict", "kv.release"]
     assert [n for n, _ in events(spans["r"])] == ["kv.prefill", "kv.swa_evict", "kv.release"]
-
-
-def test_hashed_request_ids_in_spans(memory):
-    """str and int ids: kv.request.id, violation messages (on the request span, on a violation span of its own) and
-    status descriptions carry the pseudonym; trace_id_for still takes the raw id."""
-    from instrumented_alloc.redact import RequestIdHasher
-
-    provider, mem = memory
-    w = paged(64)
-    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=RequestIdHasher(HASH_KEY))
-    ok, leaky, num = Req("secret-ok-0001"), Req("secret-leaky-0002"), Req(123456789)
-    extend(w, [ok, leaky, num], [5, 6, 3])
-    decode(w, [ok, leaky, num])
-    trace_ok = exp.trace_id_for("secret-ok-0001")  # the raw id: what the wrapper and the exemplars ask with
-    assert trace_ok is not None and exp.trace_id_for(pseudonym("secret-ok-0001")) is None
-    w.free(t(ok.row))
-    w.release_request(ok.rid)
-    w.release_request(leaky.rid)  # still owns two pages: request_leak, on its span
-    w.free(t(num.row))
-    w.release_request(num.rid)
-    with pytest.raises(ValueError):
-        w.release_request("secret-ghost-0003")  # unknown: a kv.violation span of its own
-    assert [(v.invariant, v.rid) for v in w.violations] == [
-        ("request_leak", "secret-leaky-0002"),
-        ("invalid_argument", "secret-ghost-0003"),
-    ]
-    assert w.violations[0].trace_id == exp.trace_id_for("secret-leaky-0002") is not None
-
-    spans = request_spans(mem)
-    assert sorted(spans) == sorted(pseudonym(r) for r in ("secret-ok-0001", "secret-leaky-0002", "123456789"))
-    assert hex_id(spans[pseudonym("secret-ok-0001")]) == trace_ok
-    p_leaky = pseudonym("secret-leaky-0002")
-    leak_span = spans[p_leaky]
-    leak_msg = (
-        f"request {p_leaky!r} released while still owning 2 pages, neither freed nor handed to the prefix cache "
-        "(full: [3, 4] (2 pages))"
-    )
-    assert leak_span.status.status_code == StatusCode.ERROR
-    assert leak_span.status.description == f"request_leak: {leak_msg}"
-    assert events(leak_span, "kv.violation") == [
-        (
-            "kv.violation",
-            {
-                "kv.violation.invariant": "request_leak",
-                "kv.violation.message": leak_msg,
-                "kv.violation.severity": "error",
-                "kv.violation.op": "release",
-                "kv.step": 0,
-                "kv.violation.pool": "full",
-            },
-        )
-    ]
-    (ghost,) = [s for s in mem.get_finished_spans() if s.name == "kv.violation"]
-    ghost_msg = f"release_request: rid: unknown request id {pseudonym('secret-ghost-0003')!r}"
-    assert dict(ghost.attributes) == {
-        "kv.violation.invariant": "invalid_argument",
-        "kv.violation.message": ghost_msg,
-        "kv.violation.severity": "error",
-        "kv.violation.op": "release_request",
-        "kv.step": 0,
-        "kv.request.id": pseudonym("secret-ghost-0003"),
-    }
-    assert ghost.status.description == f"invalid_argument: {ghost_msg}"
-    text = all_span_text(mem.get_finished_spans())
-    for raw in ("secret-ok-0001", "secret-leaky-0002", "secret-ghost-0003", "123456789", "secret"):
-        assert raw not in text, raw
-    exp.shutdown()
-
-
-def test_recorder_and_spans_agree_on_pseudonyms(memory, tmp_path):
-    """One hasher shared by the recorder and the OTel exporter: a recording and the spans join on the pseudonym."""
-    from exporters.recorder import FlightRecorder, Recording
-    from instrumented_alloc.redact import RequestIdHasher
-
-    provider, mem = memory
-    h = RequestIdHasher(HASH_KEY)
-    w = paged(64)
-    exp = OtelExporter(w, tracer_provider=provider, hash_request_ids=h)
-    rec = FlightRecorder(w, tmp_path / "r.db", hash_request_ids=h)
-    reqs = [Req("alpha-request"), Req(42)]
-    extend(w, reqs, [5, 9])
-    decode(w, reqs)
-    w.step()
-    for r in reqs:
-        w.free(t(r.row))
-        w.release_request(r.rid)
-    w.step()
-    rec.close()
-    exp.shutdown()
-    with Recording(tmp_path / "r.db") as r:
-        released = [e.rid for e in r.events(kinds=[RequestReleased])]
-    assert released == [pseudonym("alpha-request"), pseudonym(42)]
-    assert sorted(request_spans(mem)) == sorted(released)
 
 
 def test_decodes_of_separate_blocks_are_counted_per_request(memory):
@@ -807,120 +684,4 @@ def test_two_exporters_each_keep_their_trace_ids():
     (s,) = m1.get_finished_spans()
     assert hex_id(s) == v.trace_id and s.status.status_code is StatusCode.ERROR
 
-
-def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env):
-    # OTEL_SPAN_EVENT_COUNT_LIMIT below max_events_per_span bounds our spans, by our policy: the first events and
-    # kv.release kept, the rest counted in kv.events_dropped, so the SDK evicts nothing (its OTLP
-    # dropped_events_count, which counts only what the SDK itself drops, stays 0).
-    want = {
-        "2": {"a": (["kv.prefill", "kv.release"], 0, 0), "b": (["kv.prefill", "kv.release"], 0, 1)},
-        "0": {"a": ([], 0, 2), "b": ([], 0, 3)},
-        "unset": {
-            "a": (["kv.prefill", "kv.release"], 0, 0),
-            "b": (["kv.prefill", "kv.violation", "kv.release"], 0, 0),
-        },
-    }
-    for limit, expected in want.items():
-        rx = Receiver()
-        try:
-            otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base)
-            if limit == "unset":
-                otel_env.delenv("OTEL_SPAN_EVENT_COUNT_LIMIT", raising=False)  # the SDK's default, 128: raised to 64
-            else:
-                otel_env.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", limit)
-            w = paged()
-            exp = OtelExporter(w)
-            three_requests(w)
-            exp.force_flush(timeout_millis=5000)
-            assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
-            assert received_events(rx) == expected, limit
-            exp.shutdown(timeout_millis=5000)
-        finally:
-            rx.close()
-
-
-def test_events_beyond_the_bound_are_counted_in_kv_events_dropped(otel_env):
-    # The default limits, max_events_per_span=3, five chunked prefills: the first two prefills and the release
-    # reach the collector; kv.events_dropped counts the rest, at release and at shutdown.
-    rx = Receiver()
-    try:
-        w = paged()
-        exp = OtelExporter(w, endpoint=rx.base, max_events_per_span=3)
-        a = Req("a")
-        for _ in range(5):
-            extend(w, [a], [4])
-            w.step()
-        b = Req("b")
-        for _ in range(4):
-            extend(w, [b], [4])
-        exp.shutdown(timeout_millis=5000)  # b is still open: ended by shutdown
-        w.free(t(a.row))
-        assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
-        got = received_events(rx)
-        assert got["a"] == (["kv.prefill", "kv.prefill"], 0, 3)  # a's release comes after the shutdown: none
-        assert got["b"] == (["kv.prefill", "kv.prefill"], 0, 2)
-    finally:
-        rx.close()
-
-
-def test_a_provider_with_a_lower_event_limit_evicts_the_oldest_events_counted_and_said_once(caplog):
-    # A tracer_provider passed in whose SpanLimits.max_events (3) is below max_events_per_span (64): the SDK keeps
-    # the newest events (its policy; a provider's limits are not public), kv.events_dropped counts what it evicted,
-    # and the first such span logs one warning naming our bound.
-    from opentelemetry.sdk.trace import SpanLimits
-
-    mem = InMemorySpanExporter()
-    provider = TracerProvider(span_limits=SpanLimits(max_events=3))
-    provider.add_span_processor(SimpleSpanProcessor(mem))
-    w = paged()
-    exp = OtelExporter(w, tracer_provider=provider)
-    with caplog.at_level(logging.WARNING, logger="exporters.otel"):
-        for rid in ("a", "b"):
-            r = Req(rid)
-            for _ in range(5):
-                extend(w, [r], [5])
-                w.step()
-            w.free(t(r.row))
-            w.release_request(rid)
-    warnings = [r.getMessage() for r in caplog.records if "max_events_per_span" in r.getMessage()]
-    assert len(warnings) == 1 and "(64)" in warnings[0]
-    s = mem.get_finished_spans()[0]
-    assert [(e.name, e.attributes["kv.step"]) for e in s.events] == [
-        ("kv.prefill", 3),
-        ("kv.prefill", 4),
-        ("kv.release", 5),
-    ]
-    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
-    exp.shutdown()
-    provider.shutdown()
-
-
-def test_events_the_sdk_evicts_anyway_are_counted():
-    # A provider that is not the SDK's (a wrapper around one): the SDK evicts the oldest events, and
-    # kv.events_dropped counts them with the span's dropped events count.
-    from opentelemetry.sdk.trace import SpanLimits
-
-    mem = InMemorySpanExporter()
-    inner = TracerProvider(span_limits=SpanLimits(max_events=2))
-    inner.add_span_processor(SimpleSpanProcessor(mem))
-
-    class Hiding:
-        def get_tracer(self, *args, **kwargs):
-            return inner.get_tracer(*args, **kwargs)
-
-        def force_flush(self, timeout_millis=30000):
-            return inner.force_flush(timeout_millis)
-
-    w = paged()
-    exp = OtelExporter(w, tracer_provider=Hiding())
-    a = Req("a")
-    for _ in range(4):
-        extend(w, [a], [5])
-    w.free(t(a.row))
-    w.release_request("a")
-    (s,) = mem.get_finished_spans()
-    assert [e.name for e in s.events] == ["kv.prefill", "kv.release"]
-    assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
-    exp.shutdown()
-    inner.shutdown()
 
