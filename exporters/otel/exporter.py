@@ -47,7 +47,7 @@ def _no_loss() -> int:
 
 
 class OtelExporter(SpanSink):
-    """Subscribe to ``alloc``'s events and trace its requests. See the module docstring for the contract."""
+    """Subscribe to ``alloc``'s events and trace its requests (the span catalog: ``exporters.otel``)."""
 
     name = "otel"  # the bus counts what this sink refused under this name
     # What the spans read (typed subscription: the wrapper builds nothing else for us). Decodes' updates come

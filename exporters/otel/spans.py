@@ -7,7 +7,9 @@ Contracts:
 - A span's totals (``kv.allocated_len``, ``kv.committed_len``, ``kv.swa_evicted_seqlen``, ``kv.decode_steps``,
   ``kv.pages.*``) come from ``RequestReleased``, the core's per-request record. ``_Req`` only keeps the ledger's
   current lengths (frees and checked writes included, decodes not read), which the next non-decode allocation's
-  per-request share (``kv.n_slots`` of its event) is measured from.
+  per-request share (``kv.n_slots`` of its event) is measured from. When the shares miss the call's total (a
+  cached prefix, or a request that decoded since its last allocation or free) a batched call's events carry the
+  batch's figures (``kv.batch_n_slots``/``kv.batch_n_pages``) instead.
 - Decodes are not read one by one: a decode's ``LedgerUpdate`` costs one comparison. A request first heard of at
   its release (attached mid-run, only decoded since) gets its span there.
 - A span keeps at most ``max_events`` events: the first ``max_events - 1`` and ``kv.release``; the rest are

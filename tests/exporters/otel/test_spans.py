@@ -263,11 +263,14 @@ def test_shutdown_detaches_and_ends_open_spans(memory):
     exp = OtelExporter(w, tracer_provider=provider)
     a = Req("a")
     extend(w, [a], [6])
+    decode(w, [a])
     assert exp.open_requests == 1 and not mem.get_finished_spans()
     assert exp.shutdown(timeout_millis=1000)
     (sa,) = mem.get_finished_spans()
     assert sa.attributes["kv.open_at_shutdown"] is True
-    assert sa.attributes["kv.allocated_len"] == 8
+    # The record a release would carry, read from the ledger: the span has no release.
+    assert (sa.attributes["kv.allocated_len"], sa.attributes["kv.committed_len"]) == (8, 7)
+    assert sa.attributes["kv.decode_steps"] == 1 and "kv.pages.peak" not in sa.attributes
     assert exp not in w.bus.sinks and w.trace_id_for is None
     decode(w, [a])  # the wrapper goes on without the exporter
     assert len(mem.get_finished_spans()) == 1
