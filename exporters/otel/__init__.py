@@ -21,7 +21,7 @@ Span catalog (public)
   ``kv.swa_evict`` (``kv.swa_evicted_seqlen.old``/``.new``, ``kv.n_pages``), ``kv.release`` (``kv.pages_held``,
   ``kv.pages_peak``), ``kv.violation`` (``kv.violation.invariant``, ``.message``, ``.severity``, ``.op``, ``.pool``).
   At most ``max_events_per_span`` per span: the first ones and ``kv.release``; the rest counted in
-  ``kv.events_dropped``.
+  ``kv.events_dropped`` (our own provider's spans also say it as their OTLP ``dropped_events_count``).
 - ``kv.violation`` span (status ERROR): a violation naming no request, or a request whose span already ended (a
   child of that span, in its trace).
 - ``alloc.trace_id_for(rid)``: the trace id of the request's span (None when the sampler dropped it), which

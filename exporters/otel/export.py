@@ -8,6 +8,9 @@ Contracts:
   handed spans are unsettled (queued or in an export call), else refuses it and counts it in ``queue_full``. So
   the SDK's queue never overflows (the SDK would evict its oldest span; its own drop count is an opt-in internal
   metric, not a public number). ``dropped`` = failed exports' spans + ``queue_full``: never decreases.
+- ``EventsDroppedSpanExporter`` (our own provider's exporters sit behind it) hands a ``kv.request`` span on with
+  its dropped events count (OTLP ``dropped_events_count``) equal to ``kv.events_dropped``: the events our bound
+  dropped are never the SDK span's, and no public API sets its count.
 - Nothing here runs on the engine thread but ``on_end``: a lock, a comparison and the SDK's enqueue.
 """
 
@@ -21,9 +24,17 @@ from importlib.metadata import entry_points
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.util import BoundedList
 
-__all__ = ["CountingBatchSpanProcessor", "CountingSpanExporter", "env_span_exporters", "run_bounded"]
+__all__ = [
+    "CountingBatchSpanProcessor",
+    "CountingSpanExporter",
+    "EventsDroppedSpanExporter",
+    "env_span_exporters",
+    "run_bounded",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -216,6 +227,51 @@ class CountingSpanExporter(SpanExporter):
     def exported(self) -> int:
         with self._lock:
             return self._exported
+
+
+class EventsDroppedSpanExporter(SpanExporter):
+    """Forwards to ``inner``; a span whose ``kv.events_dropped`` exceeds the events the SDK itself dropped goes as a
+    copy (``ReadableSpan``'s public constructor) whose events list counts ``kv.events_dropped`` as dropped. Other
+    spans pass as they are. Runs on the batch processor's worker thread, never on the engine's."""
+
+    def __init__(self, inner: SpanExporter):
+        self.inner = inner
+
+    def export(self, spans) -> SpanExportResult:
+        out = None
+        for i, s in enumerate(spans):
+            n = (s.attributes or {}).get("kv.events_dropped")
+            if isinstance(n, int) and n > s.dropped_events:
+                if out is None:
+                    out = list(spans)
+                out[i] = _with_dropped_events(s, n)
+        return self.inner.export(spans if out is None else out)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        flush = getattr(self.inner, "force_flush", None)
+        return True if flush is None else flush(timeout_millis)
+
+
+def _with_dropped_events(span, dropped: int) -> ReadableSpan:
+    events = BoundedList.from_seq(None, span.events)
+    events.dropped = dropped
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=span.attributes,
+        events=events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):

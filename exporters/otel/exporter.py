@@ -27,6 +27,7 @@ from exporters.otel.export import (
     CountingBatchSpanProcessor,
     CountingProcessors,
     CountingSpanExporter,
+    EventsDroppedSpanExporter,
     env_span_exporters,
     run_bounded,
 )
@@ -170,8 +171,10 @@ class OtelExporter(SpanSink):
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
         exporters = env_span_exporters(endpoint) if span_exporter is None else [span_exporter]
+        # Each behind the dropped-events fix-up, then counted (a CountingSpanExporter passed in is used as given).
         self._span_exporters = [
-            e if isinstance(e, CountingSpanExporter) else CountingSpanExporter(e) for e in exporters
+            e if isinstance(e, CountingSpanExporter) else CountingSpanExporter(EventsDroppedSpanExporter(e))
+            for e in exporters
         ]
         # One batch processor per exporter, as the SDK's configuration builds them (OTEL_TRACES_EXPORTER=a,b);
         # none for OTEL_TRACES_EXPORTER=none (tracing is then off: nothing would be exported).

@@ -49,11 +49,11 @@ def test_events_per_span_are_bounded(memory):
 
 def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env):
     # OTEL_SPAN_EVENT_COUNT_LIMIT below max_events_per_span bounds our spans, by our policy: the first events and
-    # kv.release kept, the rest counted in kv.events_dropped, so the SDK evicts nothing (its OTLP
-    # dropped_events_count, which counts only what the SDK itself drops, stays 0).
+    # kv.release kept, the rest counted in kv.events_dropped, so the SDK evicts nothing; the span's OTLP
+    # dropped_events_count says what kv.events_dropped says.
     want = {
-        "2": {"a": (["kv.prefill", "kv.release"], 0, 0), "b": (["kv.prefill", "kv.release"], 0, 1)},
-        "0": {"a": ([], 0, 2), "b": ([], 0, 3)},
+        "2": {"a": (["kv.prefill", "kv.release"], 0, 0), "b": (["kv.prefill", "kv.release"], 1, 1)},
+        "0": {"a": ([], 2, 2), "b": ([], 3, 3)},
         "unset": {
             "a": (["kv.prefill", "kv.release"], 0, 0),
             "b": (["kv.prefill", "kv.violation", "kv.release"], 0, 0),
@@ -79,9 +79,10 @@ def test_a_lower_span_event_count_limit_bounds_our_spans(otel_env):
 
 
 
-def test_events_beyond_the_bound_are_counted_in_kv_events_dropped(otel_env):
+def test_events_beyond_the_bound_are_the_spans_dropped_events(otel_env):
     # The default limits, max_events_per_span=3, five chunked prefills: the first two prefills and the release
-    # reach the collector; kv.events_dropped counts the rest, at release and at shutdown.
+    # reach the collector; kv.events_dropped counts the rest, at release and at shutdown, and the span's OTLP
+    # dropped_events_count says the same.
     rx = Receiver()
     try:
         w = paged()
@@ -97,8 +98,8 @@ def test_events_beyond_the_bound_are_counted_in_kv_events_dropped(otel_env):
         w.free(t(a.row))
         assert rx.wait_for(lambda r: {"a", "b"} <= set(r.request_spans()))
         got = received_events(rx)
-        assert got["a"] == (["kv.prefill", "kv.prefill"], 0, 3)  # a's release comes after the shutdown: none
-        assert got["b"] == (["kv.prefill", "kv.prefill"], 0, 2)
+        assert got["a"] == (["kv.prefill", "kv.prefill"], 3, 3)  # a's release comes after the shutdown: none
+        assert got["b"] == (["kv.prefill", "kv.prefill"], 2, 2)
     finally:
         rx.close()
 
@@ -165,3 +166,28 @@ def test_events_the_sdk_evicts_anyway_are_counted():
     assert s.dropped_events == 3 and s.attributes["kv.events_dropped"] == 3
     exp.shutdown()
     inner.shutdown()
+
+
+def test_a_span_with_events_dropped_by_our_bound_goes_out_with_that_count_and_nothing_else_changed(otel_env):
+    # Our own provider's exporters get such a span as a ReadableSpan copy whose dropped events count is
+    # kv.events_dropped (the SDK span's own count has no public setter); everything else is the span's.
+    from exporters.otel import TRACER_NAME
+
+    mem = InMemorySpanExporter()
+    w = paged()
+    exp = OtelExporter(w, span_exporter=mem, max_events_per_span=2)
+    a, b = Req("a"), Req("b")
+    for _ in range(3):
+        extend(w, [a], [4])
+    extend(w, [b], [4])
+    for r in (a, b):
+        w.free(t(r.row))
+        w.release_request(r.rid)
+    assert exp.shutdown(timeout_millis=5000)
+    spans = {s.attributes["kv.request.id"]: s for s in mem.get_finished_spans()}
+    sa, sb = spans["a"], spans["b"]
+    assert [e.name for e in sa.events] == [e.name for e in sb.events] == ["kv.prefill", "kv.release"]
+    assert sa.attributes["kv.events_dropped"] == sa.dropped_events == 2 and sb.dropped_events == 0
+    assert sa.resource is sb.resource is exp.tracer_provider.resource
+    assert sa.instrumentation_scope.name == TRACER_NAME and sa.parent is None and sa.context.trace_flags.sampled
+    assert sa.start_time < sa.end_time and sa.status.status_code is sb.status.status_code
