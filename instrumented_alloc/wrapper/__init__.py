@@ -20,13 +20,13 @@ Contracts:
 
 Modules, one job each: ``core`` (the public class: construction, configuration, public attributes),
 ``forwarding`` (attribute forwarding to the inner allocator), ``state`` (the per-call state and small call
-plumbing), ``alloc`` / ``decode`` / ``frees`` / ``free_parts`` / ``pools`` (the checks per operation family),
-``verify`` (immediate vs deferred verification), ``sweeps`` (step boundaries and full sweeps), ``emit`` (building
-and delivering events, reporting violations), ``requests`` (bindings, prefix-cache handoffs, releases, checked
-ledger writes), ``constants``.
+plumbing), ``alloc`` / ``extend`` / ``decode`` / ``frees`` / ``free_parts`` / ``pools`` (the checks per
+operation family), ``verify`` (immediate vs deferred verification), ``sweeps`` (step boundaries and full sweeps),
+``emit`` (building and delivering events, reporting violations), ``requests`` (bindings, prefix-cache handoffs,
+releases, checked ledger writes), ``constants``.
 """
 
-from instrumented_alloc.wrapper.constants import ALLOCATED_LEN, INSTRUMENTED_OPS, MODES, VERIFY
-from instrumented_alloc.wrapper.core import FAST_PATHS, InstrumentedAllocator
+from instrumented_alloc.wrapper.constants import ALLOCATED_LEN, FAST_PATHS, INSTRUMENTED_OPS, MODES, VERIFY
+from instrumented_alloc.wrapper.core import InstrumentedAllocator
 
 __all__ = ["ALLOCATED_LEN", "FAST_PATHS", "INSTRUMENTED_OPS", "MODES", "VERIFY", "InstrumentedAllocator"]

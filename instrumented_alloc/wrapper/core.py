@@ -38,6 +38,7 @@ from instrumented_alloc.wrapper.constants import (
 )
 from instrumented_alloc.wrapper.decode import _DecodeChecks
 from instrumented_alloc.wrapper.emit import _Events
+from instrumented_alloc.wrapper.extend import _ExtendChecks
 from instrumented_alloc.wrapper.forwarding import _forward_names, _pool_view, _subclass_for
 from instrumented_alloc.wrapper.free_parts import _FreeParts
 from instrumented_alloc.wrapper.frees import _FreeChecks
@@ -66,6 +67,7 @@ def _fast_paths(value) -> frozenset:
 class InstrumentedAllocator(
     _Requests,
     _AllocChecks,
+    _ExtendChecks,
     _DecodeChecks,
     _FreeChecks,
     _FreeParts,
