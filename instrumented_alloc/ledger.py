@@ -20,10 +20,9 @@ Contract:
   any owner, while it is no request (not in ``live_slots()``, ``len()`` or iteration; no ledger row is compared
   or published for it).
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
-  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``,
-  ``wrapper._DecodeRoll``).
+  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper.decode._DecodeRun``).
 - ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
-  returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
+  returns the same slots while it is unchanged (what ``wrapper.requests._Requests._bind`` remembers a binding by).
 - A checked write (``write``, ``write_protected``) is a boundary where the engine's code enters ours: its time is
   charged to ``cost``'s ``ledger`` part (the wrapper's ``SelfCost`` once it observes this ledger).
 - Host memory only; never touches a device tensor. Not thread-safe by itself: the wrapper serialises its calls
@@ -151,7 +150,7 @@ class KvLedger:
         self.dirty: set[int] = set()
         self.version = 0
         # Counts the changes of the id -> slot mapping (a new id, a release): a memo of slots_of is valid while
-        # it is unchanged (see wrapper._bind).
+        # it is unchanged (see wrapper.requests).
         self.epoch = 0
         self._live_cache: np.ndarray | None = None
         self._rid_to_slot: dict = {}
