@@ -1178,12 +1178,8 @@ class FlightRecorder:
 
     name = SINK_NAME
     # Every kind but the wrapper's own Snapshot events (the recorder takes its own): the wrapper then builds no
-    # Snapshot events unless another sink reads them. And no DecodeFold: the recorder reads every decode's
-    # LedgerUpdate (so while it is subscribed the wrapper folds none; one open when it subscribes is delivered
-    # before it is).
-    event_types = frozenset(
-        c for c in _KINDS.values() if c is not ev.Snapshot and c is not EventsLost and c is not ev.DecodeFold
-    )
+    # Snapshot events unless another sink reads them.
+    event_types = frozenset(c for c in _KINDS.values() if c is not ev.Snapshot and c is not EventsLost)
 
     def __init__(
         self,
