@@ -1,42 +1,17 @@
 """Claims in a Prometheus multiprocess directory: which process writes which const-label set, and which serves.
 
 Why: in multiprocess mode every process writes its series into its own ``{kind}_{pid}.db`` files and the
-``MultiProcessCollector`` merges them by label set (``livesum`` gauges add up, counters add up). Two live
-exporters that carry the same const labels are therefore merged without any error: pages by state sum to twice
-the capacity, and two exporters of one process overwrite each other's counter entries (increments are lost). Two
-processes that each ``serve()`` the directory expose every rank twice, and a scrape of both doubles every sum.
-A claim makes both mistakes a clear error at construction (or at ``serve()``), and lets a restarted rank take
-over the label set of a predecessor that died without cleanup.
+``MultiProcessCollector`` merges them by label set. Two live exporters that carry the same const labels are
+therefore merged without any error (pages by state sum to twice the capacity; two exporters of one process
+overwrite each other's counter entries), and two processes that each ``serve()`` the directory expose every rank
+twice. A claim makes both mistakes a clear error at construction (or at ``serve()``), and lets a restarted rank
+take over the label set of a predecessor that died without cleanup.
 
-Contract:
-- ``claim(directory, kind, labels, owner)`` records that ``owner`` (an object kept by weak reference) of this
-  process holds ``kind`` in ``directory`` and returns a ``Claim``; ``Claim.release()`` gives it up (idempotent).
-  ``kind`` is ``"labels"`` (for the const-label set ``labels``) or ``"serve"`` (at most one serving process per
-  directory). A closed exporter releases its label claim with ``keep_file=True``: its process's gauges stay in
-  the directory until that process exits, so another process may take the label set over only then.
-- A claim is an empty file ``kvalloc_{kind}_{digest}_{pid}_{start}.claim`` (``digest`` of the label set, or
-  ``dir`` for ``serve``; ``start``: the process's start time from ``/proc``, so a recycled pid is not mistaken
-  for its dead predecessor; 0 where there is no ``/proc``). Empty, so that it needs no data block on a full
-  filesystem. ``MultiProcessCollector`` reads only ``*.db`` files: claims are invisible to scrapes.
-- Held elsewhere: by a live process (another one, or this one through an owner still alive), ``claim`` raises
-  ``ClaimError`` (a ``ValueError``) naming the directory, the label set and the holder's pid. By a dead process
-  (not running, or a zombie), the claim is taken over; for ``labels``,
-  ``prometheus_client.multiprocess.mark_process_dead(pid)`` is called first, as a supervisor would, so that the
-  dead process's ``live*`` gauges leave the aggregate (its counters stay: they keep counting into the sums). A
-  claim whose pid now names another process (a different start time: the pid was recycled) is taken over too,
-  but nothing is marked dead: the files of that pid are the new process's now (its own gauges live there, and
-  the dead holder's stay beside them until that process exits). The taken-over pids are in ``Claim.took_over``.
-- The decision and the file's creation happen under ``flock`` of the directory, so two processes starting at once
-  cannot both win. The lock is waited for at most ``LOCK_TIMEOUT`` seconds (a holder that is stopped, or a
-  ``flock`` held from outside): then ``OSError`` (``ETIMEDOUT``) says so. Assumes the processes that share the
-  directory share a PID namespace (SGLang's schedulers are children of one launcher); a claim by a process this
-  one cannot see is taken for dead. Entries that are not claim files (by name or by type) are left alone.
-- A file system error (an unwritable directory, ...) is an ``OSError`` whose message starts with
-  "multiprocess metrics: cannot claim".
-- ``Claim.release`` removes only a file of this process: in a child forked after the claim, it does nothing (the
-  claim stays the parent's).
-- Never on the hot path: called from constructors, ``serve()`` and ``close()``. Several threads of one process may
-  claim at once: the directory lock serialises them as it does processes.
+Contract: ``claim(directory, kind, labels, owner)`` returns a ``Claim`` or raises ``ClaimError`` (a
+``ValueError``) naming the directory, the label set and the holder's pid; ``Claim.release()`` gives it up
+(idempotent). A claim is an empty file (no data block needed on a full filesystem) that ``MultiProcessCollector``
+never reads. Decisions are made under ``flock`` of the directory, so two processes starting at once cannot both
+win. Never on the hot path: constructors, ``serve()`` and ``close()`` only.
 """
 
 from __future__ import annotations
@@ -133,7 +108,25 @@ def _describe(kind: str, labels: Mapping[str, str] | None) -> str:
 
 
 def claim(directory: str, kind: str, labels: Mapping[str, str] | None, owner) -> Claim:
-    """Hold ``kind`` (``"labels"`` for the label set ``labels``, or ``"serve"``) in ``directory`` for ``owner``."""
+    """Hold ``kind`` (``"labels"`` for the label set ``labels``, or ``"serve"``: at most one serving process per
+    directory) in ``directory`` for ``owner`` (an object of this process, kept by weak reference).
+
+    - The claim is the file ``kvalloc_{kind}_{digest}_{pid}_{start}.claim`` (``digest`` of the label set, or
+      ``dir`` for ``serve``; ``start``: the process's start time from ``/proc``, so a recycled pid is not taken
+      for its dead predecessor; 0 where there is no ``/proc``). Entries that are not claim files are left alone.
+    - Held by a live process (another one, or this one through an owner still alive): ``ClaimError``. Held by a
+      dead process (not running, or a zombie): taken over; for ``labels``,
+      ``prometheus_client.multiprocess.mark_process_dead(pid)`` is called first, as a supervisor would, so that
+      its ``live*`` gauges leave the aggregate (its counters stay). A pid that now names another process (another
+      start time) is taken over without marking anything dead: that pid's files are the new process's. The
+      taken-over pids are in ``Claim.took_over``.
+    - A closed exporter releases its label claim with ``keep_file=True``: its gauges stay in the directory until
+      its process exits, so another process may take the label set over only then.
+    - The directory's lock is waited for at most ``LOCK_TIMEOUT`` seconds, then ``OSError`` (``ETIMEDOUT``); a
+      file system error is an ``OSError`` starting "multiprocess metrics: cannot claim". Assumes the processes
+      that share the directory share a PID namespace (a claim by a process this one cannot see is taken for dead).
+    - In a child forked after the claim, ``Claim.release`` does nothing: the claim stays the parent's.
+    """
     if kind not in ("labels", "serve"):
         raise ValueError(f"kind: expected 'labels' or 'serve', got {kind!r}")
     digest = _digest(labels or {}) if kind == "labels" else "dir"

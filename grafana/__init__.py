@@ -1,1 +1,1 @@
-"""Grafana dashboard generator, provisioning, Prometheus config and alert rules (see README)."""
+"""Grafana dashboard generator, provisioning, Prometheus config and alert rules (see docs/grafana.md)."""

@@ -6,7 +6,7 @@ Contract
 - ``build()`` returns the SDK's ``Dashboard`` model; ``render()`` its JSON text, byte for byte what is committed
   (deterministic: no timestamps, explicit panel ids).
 - Targets Grafana 11.6 (the SDK is pinned to its 11.6 epoch in pyproject.toml). Every query reads only metrics of
-  DESIGN.md's catalog and filters on every template variable (``VARIABLES``: ``engine``, ``model_name``,
+  the catalog (docs/metrics.md) and filters on every template variable (``VARIABLES``: ``engine``, ``model_name``,
   ``engine_type``, ``instance``, ``tp_rank``, ``pp_rank``, ``dp_rank``; each variable's own query is filtered by
   the ones before it); ``datasource`` selects the Prometheus data source. Every variable defaults to All, the
   regex ``.*``, which also matches series without that label. Every panel has a description that says what a bad
@@ -402,7 +402,7 @@ def build() -> dm.Dashboard:
     b = b.with_panel(
         ts(
             "Invariant violations by invariant",
-            "Violations per second by invariant id (DESIGN.md's catalog), summed over the selected ranks (the "
+            "Violations per second by invariant id (the invariant catalog), summed over the selected ranks (the "
             "alert names the rank; select it to see its own). Anything above zero is a bug in the engine's use of "
             "the allocator (double free, misaligned length, leak, ...). The points are exemplars: "
             "each carries the trace id of the request that broke the invariant and links to its trace.",

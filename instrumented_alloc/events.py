@@ -1,75 +1,29 @@
 """The event vocabulary and a small synchronous bus.
 
 Contract:
-- Every event is a frozen dataclass with ``seq`` (monotonic per allocator, gap-free across all event kinds),
-  ``ts`` (the allocator's injected clock) and ``step`` (the wrapper's step counter).
-- The wrapper collects the events of one allocator call (or one ``step()``) and hands them to every sink as
-  one batch, on the calling thread, after the allocator call has returned (or, in raise mode, just before the
-  exception leaves the wrapper).
-- A sink is a callable ``sink(batch: Sequence[Event]) -> bool | None``. It must not block. Returning False
-  ("refused") or raising drops that batch for that sink: the bus counts the dropped events per sink name in
-  ``dropped`` and never lets the exception reach the allocator's caller. The first exception of each sink name is
-  logged once (a warning on the ``instrumented_alloc.events`` logger naming the sink and the exception, pointing at
-  ``dropped``); later failures of that sink are only counted (``errors`` keeps the latest text), so a sink that
-  fails on every batch cannot flood the log. A refusal (False) is a sink's own decision and is not logged here.
-- A sink that may block (network, disk, a lock) must be wrapped: ``instrumented_alloc.sinks.NonBlockingSink`` runs
-  it on its own thread behind a bounded queue and refuses (counted here) when the queue is full. The bus itself
-  stays synchronous: with no sink it costs nothing, and our own exporters never block (they only enqueue).
-- No sink: the wrapper builds no events at all (``EventBus.active`` is False), so instrumentation with no
-  subscriber costs nothing beyond the checks themselves. A sink may declare ``event_types`` (a set of event
-  classes it reads); the wrapper then skips building the kinds nobody asked for (``PageUpdate``, ``LedgerUpdate``
-  and ``Snapshot``, the costly ones, and ``Alloc``, ``Free``, ``RequestReleased``, ``StepBoundary``). ``seq``
-  counts the events built, so it stays gap-free. Sinks still receive every event that was built and ignore the
-  rest.
-- A sink that reads ``Alloc`` may also declare ``decode_allocs = False``: it reads no ``Alloc`` of ``alloc_decode``
-  (the engine's per-token call, most of the events in a decode-heavy run; what such a sink needs of a decode is in
-  the call's ``LedgerUpdate``). The wrapper then builds none while no other sink reads them
-  (``EventBus.wants_decode_allocs``); every other ``Alloc`` is built as before, and ``seq`` stays gap-free as
-  above. Absent (or anything but False): the sink reads them. A sink still ignores any it receives because
-  another sink asked for them.
-- A sink that reads ``LedgerUpdate`` may also declare ``free_ledgers = False``: it reads no ``LedgerUpdate`` of a
-  free (an update whose ``op`` does not start with ``alloc``: most of them in a run of short requests, one per
-  free call, and each its own batch). While no other sink reads them (``EventBus.wants_free_ledgers``) the wrapper
-  builds none; instead it keeps what each would have carried in ``EventBus.skipped_frees``: request slot ->
-  ``(mark, allocated, committed)``, the slot's ledger values as the latest such free left them, ``mark`` being the
-  allocator's ``seq`` at that free (the ``seq`` of the last event built before it: a ``LedgerUpdate`` of that slot
-  with ``seq <= mark`` came before the free, one with ``seq > mark`` after it). An entry lives until the request's
-  release (the slot may then be reused). Read it only while handling a batch, on the wrapper's thread: a sink
-  behind a ``NonBlockingSink`` reads the dict later than its events, so that wrapper does not forward the
-  declaration (the sink then receives free updates). Absent (or anything but False): the sink reads them; the
-  dict is then not written (entries left from before stay, older than every later update).
-- A sink that reads ``LedgerUpdate`` may also declare ``decode_ledgers = False``: it reads no ``LedgerUpdate`` of
-  ``alloc_decode`` one by one, only their fold (``DecodeFold``, which it must then read): consecutive decodes of the
-  same bound batch (the same slots array: one ``batch()`` block, or the next blocks binding the same ids while the id
-  -> slot mapping is unchanged) as one event, built when the run ends, before the next call that changes those values,
-  or could: any allocation other than a further decode of that batch, a free (but for a free of SWA pages alone, an
-  SWA eviction, which changes none unless it leaves a request no page at all: that ends the run too), a release,
-  ``clear()``/``resize()``, a change of the sinks. Step boundaries leave it open. Its values are the requests' ledger
-  values then, which are the last decode's with any checked ledger write made since (a write builds its own
-  ``LedgerWrite`` as usual, with an earlier ``seq`` than the fold's). While no other sink reads decodes' updates
-  (``EventBus.wants_decode_ledgers``) and verification is immediate, the wrapper builds folds instead of the
-  per-decode updates: a decode then builds no event at all for such a sink (most calls of a decode-heavy run).
-  Otherwise (another sink reads them, or deferred verification, which publishes a decode's update at the step
-  boundary) it builds the per-decode updates and no fold, and the sink receives those. Absent (or anything but False):
-  the sink reads the per-decode updates.
-- An event never changes after it is built, arrays included: each numpy array in an event is the event's own (a
-  copy or a fresh gather no one else holds), or read-only memory that nothing writes (the slots of a ``batch()``
-  binding and its owner codes, shared by that block's ``LedgerUpdate``s and page deltas, and by later blocks
-  that bind the same ids while the id -> slot mapping is unchanged). Sinks must not write into them either.
-- Not thread-safe by itself: the wrapper serialises calls (see ``wrapper.py``).
-- Losses after a sink took the events (the OTel SDK failing to export the spans made of them, on its own thread)
-  are not the bus's to see: the component registers a running total with ``add_loss_counter(name, counter)``, and
-  ``drop_counts()`` (what ``kvalloc_events_dropped_total{sink}`` reports) is ``dropped`` plus those totals per
-  sink name. ``counter()`` is called from any thread (a scrape's), must be cheap, and never decreases. Counters
-  registered with the same ``key=`` (the component whose losses they count) are counted once, as their largest.
-- ``make(cls, seq, ts, step, fields)`` is how the wrapper builds events on its hot path: the same frozen object the
-  dataclass constructor builds (same fields, defaults, equality, repr, pickling), without the per-field
-  ``object.__setattr__`` of a frozen dataclass's ``__init__`` (a third of the cost). A field with a default factory
-  that ``fields`` leaves out gets a fresh ``factory()``, as the constructor gives it (``StepBoundary.available``).
-- ``builder(cls)`` is the positional form for the hottest kinds: ``builder(cls)(seq, ts, step, *fields)`` (fields
-  in declaration order, defaults as the constructor's) builds the same object again, with neither the keyword dict
-  nor the template copy (one store per field into the instance's dict). Generated from
-  ``dataclasses.fields(cls)``, so it cannot drift from the class.
+- Every event is a frozen dataclass with ``seq`` (monotonic per allocator, gap-free across all kinds), ``ts`` (the
+  allocator's injected clock) and ``step`` (the wrapper's step counter). An event never changes after it is built,
+  arrays included: each array is the event's own, or read-only memory nothing writes (a ``batch()`` binding's
+  slots and owner codes, shared by that block's events). Sinks must not write into them either.
+- The wrapper hands the events of one allocator call (or one ``step()``) to every sink as one batch, on the calling
+  thread, after the call returned (raise mode: just before the exception leaves the wrapper).
+- A sink is a callable ``sink(batch) -> bool | None`` that must not block (wrap one that may in
+  ``sinks.NonBlockingSink``). Returning False or raising drops that batch for that sink: counted per sink name in
+  ``dropped``; the first exception of each sink name is logged once, later ones only counted (``errors``).
+  Nothing a sink does reaches the allocator's caller.
+- Typed subscription: a sink may declare ``event_types`` (the event classes it reads). The wrapper builds only the
+  kinds some sink reads, none at all without a sink (``EventBus.active``); ``seq`` counts the events built, so it
+  stays gap-free. A sink ignores the kinds it receives because another sink asked for them.
+- ``RequestReleased`` is the per-request record at a request's end: its pages, its KV record as its allocations
+  and checked ledger writes last left it (the frees that tear a request down do not zero it) and how many decode
+  allocations included it. A consumer that needs a request's totals reads them there.
+- Losses after a sink took the events are registered with ``add_loss_counter(name, counter)``; ``drop_counts()``
+  (what ``kvalloc_events_dropped_total{sink}`` reports) is ``dropped`` plus those totals. Counters registered with
+  the same ``key=`` count the same losses: counted once, as their largest.
+- ``make(cls, seq, ts, step, fields)`` and ``builder(cls)(seq, ts, step, *fields)`` build the same frozen object as
+  the constructor without its per-field ``object.__setattr__`` (the wrapper's hot paths); ``builder`` is generated
+  from ``dataclasses.fields(cls)``, so it cannot drift from the class.
+- Not thread-safe by itself: the wrapper serialises calls.
 """
 
 from __future__ import annotations
@@ -151,11 +105,19 @@ class LedgerWrite(Event):
 @dataclass(frozen=True)
 class RequestReleased(Event):
     """A request's release: ``pages_held`` its pages of every pool still held (> 0: a leak), ``pages_peak`` the
-    most full-pool pages it held at once."""
+    most full-pool pages it held at once; ``allocated``/``committed``/``evicted`` its KV record (tokens) as its
+    allocations and checked ledger writes last left it (the frees just before a release do not zero it);
+    ``decode_steps`` the decode allocations that included it (each ``alloc_decode``, and each plain ``alloc`` of
+    one slot for a request already holding KV: SGLang's decode at page size 1). Fields after ``pages_held`` were
+    added with defaults: older recordings read them as those."""
 
     rid: object
     pages_held: int
     pages_peak: int = 0
+    allocated: int = 0
+    committed: int = 0
+    evicted: int = 0
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,25 +171,6 @@ class LedgerUpdate(Event):
     op: str
     rids: tuple
     slots: Any
-    allocated: Any
-    committed: Any
-    evicted: Any
-
-
-@dataclass(frozen=True)
-class DecodeFold(Event):
-    """``n`` consecutive ``alloc_decode`` calls of one bound batch, folded, for the sinks that declare
-    ``decode_ledgers = False`` (see the module docstring): ``rids``/``slots`` (numpy) as the decodes' binding,
-    ``allocated``/``committed``/``evicted`` (numpy, aligned with them) the requests' ledger values when the fold
-    was built (the last decode's, with any checked write made since), ``first_step``/``last_step`` the steps of
-    its first and last decode (``step``: when it was built)."""
-
-    op: str
-    rids: tuple
-    slots: Any
-    n: int
-    first_step: int
-    last_step: int
     allocated: Any
     committed: Any
     evicted: Any
@@ -355,12 +298,6 @@ class EventBus:
         self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
-        self._want_decode_allocs = False
-        # Written by the wrapper while wants_free_ledgers is False (see the module docstring); plain attributes, read
-        # by the wrapper on every free.
-        self.want_free_ledgers = False
-        self.want_decode_ledgers = False
-        self.skipped_frees: dict[int, tuple[int, int, int]] = {}
         # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
         # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
         self.on_change: Callable[[], None] | None = None
@@ -386,44 +323,12 @@ class EventBus:
                 break
             wanted.update(types)
         self._wanted = None if wanted is None else frozenset(wanted)
-        self._want_decode_allocs = any(
-            getattr(s, "decode_allocs", True) is not False
-            and (getattr(s, "event_types", None) is None or Alloc in s.event_types)
-            for s in self._sinks
-        )
-        self.want_free_ledgers = any(
-            getattr(s, "free_ledgers", True) is not False
-            and (getattr(s, "event_types", None) is None or LedgerUpdate in s.event_types)
-            for s in self._sinks
-        )
-        self.want_decode_ledgers = any(
-            getattr(s, "decode_ledgers", True) is not False
-            and (getattr(s, "event_types", None) is None or LedgerUpdate in s.event_types)
-            for s in self._sinks
-        )
         if self.on_change is not None:
             self.on_change()
 
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""
         return self.active and (self._wanted is None or cls in self._wanted)
-
-    def wants_decode_allocs(self) -> bool:
-        """Whether some sink reads the ``Alloc`` events of ``alloc_decode`` (one that reads ``Alloc`` and does not
-        declare ``decode_allocs = False``). Implies ``wants(Alloc)``."""
-        return self._want_decode_allocs
-
-    def wants_free_ledgers(self) -> bool:
-        """Whether some sink reads the ``LedgerUpdate`` events of frees (one that reads ``LedgerUpdate`` and does
-        not declare ``free_ledgers = False``). When False while ``wants(LedgerUpdate)``, the wrapper keeps
-        ``skipped_frees`` instead of building them."""
-        return self.want_free_ledgers
-
-    def wants_decode_ledgers(self) -> bool:
-        """Whether some sink reads the ``LedgerUpdate`` of each ``alloc_decode`` (one that reads ``LedgerUpdate``
-        and does not declare ``decode_ledgers = False``). When False while ``wants(DecodeFold)``, the wrapper
-        folds decodes instead (see the module docstring)."""
-        return self.want_decode_ledgers
 
     def add_loss_counter(self, name: str, counter: Callable[[], int], *, key=None) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a

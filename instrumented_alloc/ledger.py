@@ -20,10 +20,9 @@ Contract:
   any owner, while it is no request (not in ``live_slots()``, ``len()`` or iteration; no ledger row is compared
   or published for it).
 - ``version`` counts checked writes, resets and releases (what the wrapper's own allocation updates do not
-  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper._DecodeRun``,
-  ``wrapper._DecodeRoll``).
+  cover): a cache of facts about the ledger is valid while it is unchanged (see ``wrapper.decode._DecodeRun``).
 - ``epoch`` counts the changes of the id -> slot mapping (a new id, a release): ``slots_of`` of the same ids
-  returns the same slots while it is unchanged (what ``wrapper._bind`` remembers a binding by).
+  returns the same slots while it is unchanged (what ``wrapper.requests._Requests._bind`` remembers a binding by).
 - A checked write (``write``, ``write_protected``) is a boundary where the engine's code enters ours: its time is
   charged to ``cost``'s ``ledger`` part (the wrapper's ``SelfCost`` once it observes this ledger).
 - Host memory only; never touches a device tensor. Not thread-safe by itself: the wrapper serialises its calls
@@ -151,7 +150,7 @@ class KvLedger:
         self.dirty: set[int] = set()
         self.version = 0
         # Counts the changes of the id -> slot mapping (a new id, a release): a memo of slots_of is valid while
-        # it is unchanged (see wrapper._bind).
+        # it is unchanged (see wrapper.requests).
         self.epoch = 0
         self._live_cache: np.ndarray | None = None
         self._rid_to_slot: dict = {}
@@ -167,6 +166,14 @@ class KvLedger:
         self.peak_pages = np.zeros(0, np.int64)
         self.released_step = np.zeros(0, np.int64)  # the step of the slot's last release (what a leak names)
         self.generation = np.zeros(0, np.int64)  # bumped when a slot is released: a reused slot is a new request
+        # Decode allocations that included the request (written by the wrapper's decode paths, ``+= 1`` on the
+        # bound slots; zeroed when the slot is released, not by ``reset``: a retracted request keeps counting).
+        self.decode_steps = np.zeros(0, np.int64)
+        # slot -> (decode_steps, allocated, committed, evicted): the request's record as its last allocation or
+        # checked write left it, saved by the first free (or clear) that changed it since (``keep``); stale once
+        # the request decodes (its decode_steps moved), dropped by its next other allocation (``unkeep``) and its
+        # release; a checked write updates its column. What ``record`` reads at the release.
+        self.kept: dict[int, tuple[int, int, int, int]] = {}
         self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
         self._grow(capacity)
 
@@ -182,6 +189,7 @@ class KvLedger:
         self.live, self.leaked, self.peak_pages = ext(self.live), ext(self.leaked), ext(self.peak_pages)
         self.released_step = ext(self.released_step)
         self.generation = ext(self.generation)
+        self.decode_steps = ext(self.decode_steps)
         self.owned = {p: ext(a) for p, a in self.owned.items()}
         self._free_slots.extend(range(cap - 1, self._cap - 1, -1))
         self._slot_rid.extend([None] * (cap - self._cap))
@@ -299,6 +307,8 @@ class KvLedger:
         self.dirty.discard(slot)
         self.tainted.discard(slot)
         self.inserting.discard(slot)
+        self.kept.pop(slot, None)
+        self.decode_steps[slot] = 0
         if leaked:
             self.leaked[slot] = True
         else:
@@ -306,6 +316,58 @@ class KvLedger:
             self.peak_pages[slot] = 0
             self._slot_rid[slot] = None
             self._free_slots.append(slot)
+
+    def keep(self, slot: int) -> None:
+        """A free (or clear) is about to change ``slot``'s lengths: save its record first, unless one saved since
+        its last allocation or write is still current (see ``kept``). Free paths only: decode pays nothing."""
+        k = self.kept.get(slot)
+        steps = self.decode_steps.item(slot)
+        if k is None or k[0] != steps:
+            self.kept[slot] = (steps, self.allocated.item(slot), self.committed.item(slot), self.evicted.item(slot))
+
+    def shrink_one(self, slot: int, cap: int) -> None:
+        """A free left ``slot`` ``cap`` tokens of pages: ``allocated`` at most ``cap``, ``committed`` at most
+        ``allocated``; the record saved first when they change (``keep``)."""
+        allocated = self.allocated.item(slot)
+        if allocated > cap or self.committed.item(slot) > min(allocated, cap):
+            self.keep(slot)
+            if allocated > cap:
+                self.allocated[slot] = allocated = cap
+            if self.committed.item(slot) > allocated:
+                self.committed[slot] = allocated
+
+    def shrink(self, slots: np.ndarray, cap: np.ndarray) -> None:
+        """``shrink_one`` of distinct ``slots`` with their caps."""
+        allocated, committed = self.allocated[slots], self.committed[slots]
+        new_allocated = np.minimum(allocated, cap)
+        new_committed = np.minimum(committed, new_allocated)
+        changed = (new_allocated != allocated) | (new_committed != committed)
+        if changed.any():
+            for s in slots[changed].tolist():
+                self.keep(s)
+            self.allocated[slots] = new_allocated
+            self.committed[slots] = new_committed
+
+    def unkeep(self, slots) -> None:
+        """An allocation other than a decode set these slots' records (call only while ``kept`` is non-empty)."""
+        kept = self.kept
+        for s in slots.tolist():
+            kept.pop(s, None)
+
+    def _kept_write(self, slot: int, column: str, value: int) -> None:
+        """A checked write changed ``column``: a saved record takes it (the write is part of the record)."""
+        k = self.kept.get(slot)
+        if k is not None and k[0] == self.decode_steps.item(slot):
+            i = ("allocated", "committed", "evicted").index(column) + 1
+            self.kept[slot] = (*k[:i], value, *k[i + 1 :])
+
+    def record(self, slot: int) -> tuple[int, int, int]:
+        """``(allocated, committed, evicted)`` as the request's last allocation or checked write left them: the
+        frees since then (a request torn down before its release) do not count."""
+        k = self.kept.get(slot)
+        if k is not None and k[0] == self.decode_steps.item(slot):
+            return k[1], k[2], k[3]
+        return self.allocated.item(slot), self.committed.item(slot), self.evicted.item(slot)
 
     def reset(self, slot: int) -> None:
         """The request holds no KV any more (all its pages were freed: finished or retracted)."""
@@ -482,6 +544,8 @@ class KvLedger:
         column = getattr(self, name)  # the column by attribute: _grow replaces the arrays
         old = column.item(slot)
         column[slot] = value
+        if self.kept and old != value:
+            self._kept_write(slot, name, value)
         self.dirty.add(slot)
         if old != value:
             self._observer.ledger_written(slot, self._slot_rid[slot], field, old, value)

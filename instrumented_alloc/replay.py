@@ -11,8 +11,7 @@ Contract:
   ``PageUpdate``: ``owner[pool][pages] = owners`` (how the shadow changed, emitted in order); one that lists every
   page ``0..n-1`` is a ``clear()`` (or ``resize()``): the pool becomes that array (size included) and, as the
   wrapper does then, every live request's ledger row is zeroed;
-  ``LedgerUpdate`` (and ``DecodeFold``, the values of a run of decodes when it was built; a recording holds none):
-  the listed rows are set (and their slots named);
+  ``LedgerUpdate``: the listed rows are set (and their slots named);
   ``LedgerWrite``: one field of one row is set (the row is created, zeroed, if it was unknown);
   ``RequestReleased``: the row is dropped (a leaked slot keeps its name: its pages still carry it);
   ``Snapshot`` (the wrapper's own periodic snapshot): that pool's owners and the whole ledger are replaced;
@@ -160,8 +159,7 @@ def _apply_one(st: ReplayState, e: ev.Event) -> None:
         if pages.size and (pages.min() < 0 or pages.max() >= owner.size):
             raise ValueError(f"event {e.seq}: page ids outside pool {e.pool!r} (0..{owner.size - 1})")
         owner[pages] = e.owners
-    elif isinstance(e, (ev.LedgerUpdate, ev.DecodeFold)):
-        # A fold carries the requests' values when it was built, as an update would at that seq.
+    elif isinstance(e, ev.LedgerUpdate):
         for rid, slot, a, c, x in zip(e.rids, e.slots, e.allocated, e.committed, e.evicted):
             st.ledger[rid] = LedgerRow(int(a), int(c), int(x))
             st.slot_rids[int(slot)] = rid

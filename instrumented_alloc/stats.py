@@ -1,4 +1,4 @@
-"""Allocator statistics: the figures of DESIGN.md's metric catalog, computed from snapshots.
+"""Allocator statistics: the figures of the metric catalog (docs/metrics.md), computed from snapshots.
 
 Contract:
 - Pure: every function reads a ``PoolSnapshot`` (``LedgerSnapshot`` for the request-level figures, or a dict of

@@ -702,98 +702,10 @@ def test_a_sink_subscribed_on_the_bus_directly_gets_every_kind():
     assert _shadow_deltas(w) == [None]
 
 
-class NoDecodeAllocs(Keeper):
-    """A sink that reads Alloc events but declares it needs none of ``alloc_decode``."""
-
-    decode_allocs = False
-
-
-def _decode_allocs(events) -> list:
-    return [e for e in events if type(e) is ev.Alloc and e.op == "alloc_decode"]
-
-
-def _strip(es, *, skip_decode_allocs=False) -> list:
-    """Events without seq and their clock readings (``CLOCK_FIELDS``), arrays as lists: what two runs of ``_churn``
-    must agree on."""
-    return [
-        (
-            type(e).__name__,
-            e.step,
-            *[
-                (v.tolist() if isinstance(v, np.ndarray) else v)
-                for k, v in vars(e).items()
-                if k != "seq" and k not in ev.CLOCK_FIELDS
-            ],
-        )
-        for e in es
-        if not (skip_decode_allocs and type(e) is ev.Alloc and e.op == "alloc_decode")
-    ]
-
-
-@pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
-def test_a_sink_declining_decode_allocs_gets_none_and_everything_else(make):
-    """``decode_allocs = False``: no ``alloc_decode`` Alloc is built for that sink alone (every other event is,
-    the same as for a sink reading everything), and ``seq`` stays gap-free over what was built."""
-    k = NoDecodeAllocs(event_types={ev.Alloc, ev.LedgerUpdate, ev.RequestReleased})
-    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[k])
-    k.alloc = w
-    assert w.bus.wants(ev.Alloc) and not w.bus.wants_decode_allocs()
-    _churn(w)
-    events = k.events
-    assert not _decode_allocs(events)
-    assert {e.op for e in events if type(e) is ev.Alloc} == {"alloc_extend"}
-    assert sum(e.op == "alloc_decode" for e in events if type(e) is ev.LedgerUpdate) == 6 * 3  # every decode's
-    assert [e.seq for e in events] == list(range(1, len(events) + 1))
-
-    full = Keeper(event_types={ev.Alloc, ev.LedgerUpdate, ev.RequestReleased})
-    w2 = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[full])
-    full.alloc = w2
-    _churn(w2)
-    assert len(_decode_allocs(full.events)) == 6 * 3 * len(w2._w_pools)  # one per pool per decode
-    assert _strip(events) == _strip(full.events, skip_decode_allocs=True)
-
-
-def test_decode_allocs_are_built_while_any_sink_reads_them():
-    """One sink declining them does not take them from another: both receive every decode Alloc (the decliner
-    ignores them); unsubscribing the reader stops them, subscribing one (on the bus directly) brings them back.
-    A sink declining them that reads no Alloc at all changes nothing."""
-    no = NoDecodeAllocs()
-    yes = Keeper(event_types={ev.Alloc})
-    w = InstrumentedAllocator(paged(), mode="record", sinks=[no, yes])
-    no.alloc = yes.alloc = w
-    assert w.bus.wants_decode_allocs()
-    a, b = _scenario(w)  # one decode
-
-    def dec():
-        with w.batch(["a", "b"]):
-            out = w.alloc_decode(*decode_args([a, b]))
-        for r, s in zip((a, b), out.tolist()):
-            r.row.append(s)
-
-    dec()
-    assert len(_decode_allocs(no.events)) == len(_decode_allocs(yes.events)) == 2
-    w.unsubscribe(yes)
-    assert not w.bus.wants_decode_allocs() and w.bus.wants(ev.Alloc)
-    dec()
-    assert len(_decode_allocs(no.events)) == 2
-    assert sum(e.op == "alloc_decode" for e in no.events if type(e) is ev.LedgerUpdate) == 3
-    w.bus.subscribe(yes)
-    assert w.bus.wants_decode_allocs()
-    dec()
-    assert len(_decode_allocs(no.events)) == len(_decode_allocs(yes.events)) == 3
-    assert [e.seq for e in no.events] == list(range(1, len(no.events) + 1))
-    assert not w.violations
-    only_types = NoDecodeAllocs(event_types={ev.StepBoundary})
-    bus = EventBus([only_types])
-    assert not bus.wants_decode_allocs()
-    bus.subscribe(Keeper(event_types={ev.Alloc}))
-    assert bus.wants_decode_allocs()
-
-
-def test_a_refused_decode_is_timed_for_alloc_failed_without_decode_allocs():
-    """No sink reads decode Allocs, one reads AllocFailed: a refused ``alloc_decode`` is still timed (the clock
-    ticks once per reading: the call's duration is exactly one tick)."""
-    k = NoDecodeAllocs(event_types={ev.AllocFailed, ev.Alloc})
+def test_a_refused_decode_is_timed_for_alloc_failed_alone():
+    """No sink reads Alloc, one reads AllocFailed: a refused ``alloc_decode`` is still timed (the clock ticks once
+    per reading: the call's duration is exactly one tick)."""
+    k = Keeper(event_types={ev.AllocFailed})
     w = InstrumentedAllocator(paged(), mode="record", sinks=[k], clock=counting_clock())
     k.alloc = w
     a, b = Req("a"), Req("b")
@@ -803,173 +715,118 @@ def test_a_refused_decode_is_timed_for_alloc_failed_without_decode_allocs():
         assert w.alloc_decode(*decode_args([a, b])) is None  # both open a page: none is free
     failed = [e for e in k.events if type(e) is ev.AllocFailed]
     assert [(e.op, e.requested, e.available, e.duration) for e in failed] == [("alloc_decode", 2, 0, 1.0)]
-    assert not _decode_allocs(k.events)
     assert [e.seq for e in k.events] == list(range(1, len(k.events) + 1))
 
 
-# -- decode folds (decode_ledgers = False) ------------------------------------------------------------------------
-class Folding(Keeper):
-    """Reads ledger updates and decode folds, not each decode's update (``decode_ledgers = False``)."""
-
-    decode_ledgers = False
+# -- RequestReleased: the per-request record at a request's end ---------------------------------------------------
+_RECORD_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "alloc_logical_only")
 
 
-FOLD_KINDS = {ev.LedgerUpdate, ev.DecodeFold, ev.RequestReleased}
-
-
-def _decode_updates(events) -> list:
-    return [e for e in events if type(e) is ev.LedgerUpdate and e.op == "alloc_decode"]
-
-
-def _runs(events) -> list[list]:
-    """The per-decode updates of a stream, cut into runs: consecutive ones of the same slots array with no other
-    event in between but step boundaries (what one fold stands for)."""
-    runs: list[list] = []
-    prev = None
+def _records_from_the_stream(events) -> dict:
+    """What a consumer reading every event would keep per request: its record as the latest allocation's
+    ``LedgerUpdate`` or checked ``LedgerWrite`` left it (a free's update does not count), and its decode
+    allocations (``alloc_decode`` updates naming it)."""
+    rec: dict = {}
     for e in events:
-        if type(e) is ev.LedgerUpdate and e.op == "alloc_decode":
-            if prev is not None and prev.slots is e.slots:
-                runs[-1].append(e)
-            else:
-                runs.append([e])
-            prev = e
-        elif type(e) is not ev.StepBoundary:
-            prev = None
-    return runs
+        if type(e) is ev.LedgerUpdate and e.op in _RECORD_OPS:
+            for rid, a, c, x in zip(e.rids, e.allocated.tolist(), e.committed.tolist(), e.evicted.tolist()):
+                r = rec.setdefault(rid, [0, 0, 0, 0])
+                r[:3] = [a, c, x]
+                r[3] += e.op == "alloc_decode"
+        elif type(e) is ev.LedgerWrite:
+            r = rec.setdefault(e.rid, [0, 0, 0, 0])
+            r[("kv_allocated_len", "kv_committed_len", "swa_evicted_seqlen").index(e.field)] = e.new
+    return rec
 
 
 @pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
-def test_a_folding_sink_gets_one_fold_per_run_of_decodes_with_the_last_decodes_values(make):
-    """A sink declaring ``decode_ledgers = False`` and reading ``DecodeFold`` gets, instead of each decode's
-    ``LedgerUpdate``, one fold per run of decodes of one batch (three in one ``batch()`` block, three more in
-    blocks of their own binding the same ids: one run of six), built before the free that ends the run, with the
-    run's last decode's values, its slots and ids, and the steps of its first and last decode. Every other event
-    is what a sink reading each decode's update gets, and ``seq`` stays gap-free over what was built."""
-    f = Folding(event_types=FOLD_KINDS | {ev.StepBoundary})
-    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[f])
-    f.alloc = w
-    assert w._w_st.fold_decodes and not w.bus.wants_decode_ledgers()
+def test_request_released_carries_the_record_its_allocations_left_and_its_decode_steps(make):
+    """Requests torn down by frees before their release: ``RequestReleased`` carries the record as their
+    allocations left it (not the zeros the frees left) and every decode that included them."""
+    k = Keeper()
+    w = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[k])
+    k.alloc = w
     _churn(w)
-    each = Keeper(event_types={ev.LedgerUpdate, ev.RequestReleased, ev.StepBoundary})
-    w2 = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[each])
-    each.alloc = w2
-    assert not w2._w_st.fold_decodes and w2.bus.wants_decode_ledgers()
+    released = [e for e in k.events if type(e) is ev.RequestReleased]
+    assert len(released) == 9
+    want = _records_from_the_stream(k.events)
+    for e in released:
+        assert [e.allocated, e.committed, e.evicted, e.decode_steps] == want[e.rid], e
+        assert e.decode_steps == 6 and e.committed > 0
+    # A sink reading RequestReleased alone gets the same records (nothing else need be built for them).
+    only = Keeper(event_types={ev.RequestReleased})
+    w2 = InstrumentedAllocator(make(), mode="record", sliding_window=8, sinks=[only])
     _churn(w2)
+    assert _strip(only.events) == _strip(released)
 
-    assert not _decode_updates(f.events)
-    folds = [e for e in f.events if type(e) is ev.DecodeFold]
-    runs = _runs(each.events)
-    assert [len(r) for r in runs] == [6, 6, 6]
-    assert [(x.n, x.first_step, x.last_step, x.op) for x in folds] == [
-        (6, r[0].step, r[-1].step, "alloc_decode") for r in runs
+
+def _strip(es) -> list:
+    """Events without seq and their clock readings (``CLOCK_FIELDS``), arrays as lists."""
+    return [
+        (
+            type(e).__name__,
+            *[
+                (v.tolist() if isinstance(v, np.ndarray) else v)
+                for k, v in vars(e).items()
+                if k != "seq" and k not in ev.CLOCK_FIELDS
+            ],
+        )
+        for e in es
     ]
-    for x, run in zip(folds, runs):
-        last = run[-1]
-        assert x.rids == last.rids and x.slots.tolist() == last.slots.tolist()
-        for col in ("allocated", "committed", "evicted"):
-            assert getattr(x, col).tolist() == getattr(last, col).tolist()
-    # Each fold comes right before the free that ended its run; the rest is the same stream.
-    for x in folds:
-        after = f.events[f.events.index(x) + 1]
-        assert type(after) is ev.LedgerUpdate and after.op == "free"
-    assert _strip([e for e in f.events if type(e) is not ev.DecodeFold]) == _strip(
-        [e for e in each.events if not (type(e) is ev.LedgerUpdate and e.op == "alloc_decode")]
-    )
-    assert [e.seq for e in f.events] == list(range(1, len(f.events) + 1))
-    assert not w.violations and not w2.violations
 
 
-def _decode(w, reqs):
-    with w.batch([r.rid for r in reqs]):
-        out = w.alloc_decode(*decode_args(reqs))
-    for r, s in zip(reqs, out.tolist()):
-        r.row.append(s)
+def test_a_retracted_request_keeps_counting_and_its_record_is_its_latest_allocations():
+    """A request retracted (every page freed), prefilled again and torn down: its record is the second
+    prefill's and decodes' values, its decode steps those of both lives; a checked write made after the
+    teardown frees is part of the record, a decode after a partial free replaces what the free saved."""
+    k = Keeper(event_types={ev.RequestReleased})
+    w = InstrumentedAllocator(paged(), mode="record", sinks=[k])
+    a = Req("a")
 
+    def decode(n):
+        for _ in range(n):
+            with w.batch(["a"]):
+                a.row += w.alloc_decode(*decode_args([a])).tolist()
 
-def test_what_closes_a_decode_fold_and_what_does_not():
-    """Steps and a free of SWA pages alone (an SWA eviction: no ledger value changes) leave the fold open; a decode
-    of another batch, an extend, a full free, a release and ``clear()`` build it first, with the values from before
-    they change anything (here, before the free shrinks them)."""
-    f = Folding(event_types=FOLD_KINDS)
-    w = InstrumentedAllocator(swa(), mode="record", sliding_window=8, sinks=[f])
-    f.alloc = w
-    st = w._w_st
-    a, b = Req("a"), Req("b")
-    with w.batch(["a", "b"]):
-        split_extend([a, b], [8, 9], w.alloc_extend(*extend_args([a, b], [8, 9])))
-    for _ in range(4):
-        _decode(w, [a, b])
-        w.step()
-    assert st.fold[2] == 4 and not [e for e in f.events if type(e) is ev.DecodeFold]
-    w.free_swa_segment(t(a.row[:4]), start_pos=0)  # a's first SWA page, outside the window
-    w.ledger["a"].swa_evicted_seqlen = 4
-    assert st.fold[2] == 4  # still open: the eviction changed no value a fold carries but the write's
-    _decode(w, [a])  # another batch
-    (x,) = [e for e in f.events if type(e) is ev.DecodeFold]
-    assert (x.rids, x.n, x.allocated.tolist(), x.committed.tolist(), x.evicted.tolist()) == (
-        ("a", "b"),
-        4,
-        [12, 16],
-        [12, 13],
-        [4, 0],  # the write made since the last decode, as the ledger holds it when the fold is built
-    )
-    assert st.fold[1] == ("a",) and st.fold[2] == 1
+    with w.batch(["a"]):
+        split_extend([a], [6], w.alloc_extend(*extend_args([a], [6])))
+    decode(3)  # 9 tokens, 3 pages
+    w.free(t(a.row))  # retracted: the ledger row is zeroed
+    assert w.ledger["a"].kv_allocated_len == 0
+    a.row = []
+    with w.batch(["a"]):
+        split_extend([a], [10], w.alloc_extend(*extend_args([a], [10])))  # re-prefill: 10 tokens, 3 pages
+    decode(2)  # 12 tokens
+    w.free(t(a.row[8:]))  # the last page: the lengths shrink to 8
+    a.row = a.row[:8]
+    assert (w.ledger["a"].kv_allocated_len, w.ledger["a"].kv_committed_len) == (8, 8)
+    decode(1)  # 9 tokens again: a third page; the decode's values are the record now (12, 9)
+    w.free(t(a.row[8:]))
+    a.row = a.row[:8]
+    w.ledger["a"].kv_committed_len = 7  # a checked write after a free: part of the record
     w.free(t(a.row))
-    y = [e for e in f.events if type(e) is ev.DecodeFold][-1]
-    assert (y.rids, y.n, y.allocated.tolist(), y.committed.tolist()) == (("a",), 1, [16], [13])  # before the free
-    assert f.events[-1].op == "free" and f.events[-1].allocated.tolist() == [0]  # the free's own update after it
-    for closer in ("extend", "release", "clear"):
-        _decode(w, [b])
-        assert st.fold is not None
-        n = len(f.events)
-        if closer == "extend":
-            c = Req("c")
-            with w.batch(["c"]):
-                split_extend([c], [3], w.alloc_extend(*extend_args([c], [3])))
-        elif closer == "release":
-            w.free(t(b.row))
-            w.release_request("b")
-        else:
-            w.clear()
-        assert st.fold is None and type(f.events[n]) is ev.DecodeFold, closer
-    assert [e.seq for e in f.events] == list(range(1, len(f.events) + 1))
+    w.release_request("a")
+    (e,) = k.events
+    assert (e.rid, e.pages_held, e.allocated, e.committed, e.evicted, e.decode_steps) == ("a", 0, 12, 7, 0, 6)
 
 
-def test_decode_folds_follow_the_sinks_and_the_verification_mode():
-    """A sink reading each decode's update switches the wrapper to those (the open fold is delivered first); the
-    folding sink then receives them too; when that sink leaves, folds again. A folding sink that unsubscribes gets
-    its open fold before it goes. Deferred verification publishes each decode's update at the step boundary:
-    the folding sink receives those, and no fold is built."""
-    f = Folding(event_types=FOLD_KINDS)
-    w = InstrumentedAllocator(paged(), mode="record", sinks=[f])
-    f.alloc = w
-    a, b = _scenario(w)  # one decode: the fold is open
-    assert w._w_st.fold[2] == 1
-    each = Keeper(event_types={ev.LedgerUpdate})
-    w.subscribe(each)
-    assert [type(e) for e in f.events][-1] is ev.DecodeFold and w._w_st.fold is None
-    _decode(w, [a, b])
-    assert len(_decode_updates(f.events)) == len(_decode_updates(each.events)) == 1
-    w.unsubscribe(each)
-    _decode(w, [a, b])
-    assert w._w_st.fold[2] == 1 and len(_decode_updates(f.events)) == 1
-    w.unsubscribe(f)
-    x = f.events[-1]
-    assert type(x) is ev.DecodeFold and x.n == 1 and x.committed.tolist() == [11, 12]  # 8, 9 and three decodes
-    assert w._w_st.fold is None and not w._w_st.fold_decodes
+def test_plain_allocs_of_one_slot_per_request_count_as_decode_steps():
+    """Page size 1 (SGLang decodes with a plain ``alloc``): one slot for a request already holding KV is a decode
+    step; a request's first slot, or a share of several slots, is not."""
+    from instrumented_alloc.allocators import TokenToKVPoolAllocator
 
-    fd = Folding(event_types=FOLD_KINDS)
-    wd = InstrumentedAllocator(paged(), mode="record", verify="deferred", sinks=[fd])
-    fd.alloc = wd
-    assert not wd._w_st.fold_decodes and wd._w_st.want_decode_ledger
-    a, b = _scenario(wd)
-    _decode(wd, [a, b])
-    wd.step()
-    assert len(_decode_updates(fd.events)) == 2 and not [e for e in fd.events if type(e) is ev.DecodeFold]
-    # A sink declaring decode_ledgers = False that reads no fold gets neither.
-    silent = Folding(event_types={ev.LedgerUpdate})
-    ws = InstrumentedAllocator(paged(), mode="record", sinks=[silent])
-    silent.alloc = ws
-    a, b = _scenario(ws)
-    _decode(ws, [a, b])
-    assert not _decode_updates(silent.events) and ws._w_st.fold is None
+    k = Keeper(event_types={ev.RequestReleased})
+    w = InstrumentedAllocator(TokenToKVPoolAllocator(64, F16, "cpu", None, False), mode="record", sinks=[k])
+    with w.batch(["a", "b", "c"], lens=[3, 1, 2]):
+        w.alloc(6)  # prefills (c's share of two slots included)
+    for _ in range(2):
+        with w.batch(["a", "b", "c"]):
+            w.alloc(3)  # a decode of each
+    with w.batch(["a", "b", "d"], lens=[1, 2, 1]):
+        w.alloc(4)  # a: a decode; b: two slots; d: its first slot
+    with w.batch(["d"]):
+        w.alloc(1)  # d: a decode
+    for rid in "abcd":
+        w.release_request(rid)  # still holding their pages: leaks (record mode), the records as they are
+    steps = {e.rid: (e.decode_steps, e.allocated, e.committed) for e in k.events}
+    assert steps == {"a": (3, 6, 6), "b": (2, 5, 5), "c": (2, 4, 4), "d": (1, 2, 2)}

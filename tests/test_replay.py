@@ -262,24 +262,22 @@ def test_round_trip_through_a_leak_freed_later(verify):
     } == {"b": (12, 9, 0)}
 
 
-def test_a_decode_fold_sets_the_rows_it_lists():
-    """``DecodeFold`` (a run of decodes folded for a sink that declares ``decode_ledgers = False``) sets the rows it
-    lists as a ``LedgerUpdate`` would: a stream of folds and the other events, replayed, gives the live ledger at
-    every point where no fold is open (here: after the free that closed it)."""
+def test_decodes_updates_set_the_rows_they_list():
+    """A run of decodes of one batch (one ``LedgerUpdate`` each) and a free, replayed, give the live ledger and
+    the page owners."""
     inner = PagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", None, False)
     w = InstrumentedAllocator(inner, mode="record")
     base = state_from_snapshots(w.snapshot(), seq=0)
     seen: list = []
 
-    class Folding:
-        name = "folding"
-        event_types = frozenset({ev.PageUpdate, ev.LedgerUpdate, ev.DecodeFold, ev.RequestReleased, ev.StepBoundary})
-        decode_ledgers = False
+    class Ledger:
+        name = "ledger"
+        event_types = frozenset({ev.PageUpdate, ev.LedgerUpdate, ev.RequestReleased, ev.StepBoundary})
 
         def __call__(self, batch):
             seen.extend(batch)
 
-    w.subscribe(Folding())
+    w.subscribe(Ledger())
     a, b = Req("a"), Req("b")
     with w.batch(["a", "b"]):
         rows = w.alloc_extend(*extend_args([a, b], [5, 7])).tolist()
@@ -290,10 +288,8 @@ def test_a_decode_fold_sets_the_rows_it_lists():
         a.row.append(out[0])
         b.row.append(out[1])
         w.step()
-    assert not [e for e in seen if type(e) is ev.DecodeFold]  # still open
+    assert sum(type(e) is ev.LedgerUpdate and e.op == "alloc_decode" for e in seen) == 6
     w.free(t(b.row))
-    (fold,) = [e for e in seen if type(e) is ev.DecodeFold]
-    assert fold.n == 6 and fold.committed.tolist() == [11, 13]
     s = apply(base, seen)
     led = w.snapshot()["full"].ledger
     live = zip(led.rids, led.allocated, led.committed, led.evicted)

@@ -149,7 +149,7 @@ def test_a_subscribe_outside_any_call_charges_nothing():
     _extend(w, reqs, [PS, PS])
     _decode(w, reqs)
     clock.advance(50.0)  # the engine runs on
-    w.subscribe(lambda batch: None)  # delivers the open decode fold, outside any charged call
+    w.subscribe(lambda batch: None)  # outside any charged call
     assert sum(w.cost.totals()) == 0.0
 
 

@@ -276,3 +276,17 @@ def test_counts_stay_the_census_on_faulted_demo_engines(case, verify, monkeypatc
     assert len(seen) >= 300
     ids = {v.invariant for v in e.alloc.violations}
     assert "double_free" in ids or "duplicate_allocation" in ids  # the faults did fire and were seen
+
+
+def test_the_names_split_out_of_shadow_stay_importable_from_it():
+    from instrumented_alloc import pagearrays, pagecodes, shadow
+
+    for name in shadow.__all__:
+        assert getattr(shadow, name) is not None
+    assert shadow.FREE is pagecodes.FREE and shadow.PoolSnapshot is pagecodes.PoolSnapshot
+    assert shadow.sorted_unique is pagearrays.sorted_unique
+    # What the wrapper calls on a shadow, whichever module now defines it.
+    for method in ("on_alloc", "shared_in_call", "plan_free", "apply_free", "free_owned", "group_begin",
+                   "group_end", "group_abandon", "merged", "check_count", "check_census", "counts", "note",
+                   "take_deltas", "clear", "_set"):  # fmt: skip
+        assert callable(getattr(shadow.PoolShadow, method)), method

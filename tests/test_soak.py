@@ -1,5 +1,5 @@
 """The soak, short (CI): the demo engine with every exporter on and a small retention bound. The full-length run
-is ``make soak`` (1,000,000 steps); its figures are in README's reliability section."""
+is ``make soak`` (1,000,000 steps); its figures are in docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -362,7 +362,7 @@ def test_the_wrapper_never_reads_the_inners_instance_dict(mode):
 
 @pytest.mark.parametrize("mode", ["record", "off"])
 def test_the_wrapper_never_reads_the_instance_dict_of_our_paged_allocator(mode, monkeypatch):
-    # The exact class, which the wrapper's pool counts special-case (wrapper._page_counter): the spy above is a
+    # The exact class, which the wrapper's pool counts special-case (wrapper.state._page_counter): the spy above is a
     # subclass, which they do not.
     reads = []
     real = PagedTokenToKVPoolAllocator.__getattribute__

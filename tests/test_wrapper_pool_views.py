@@ -1,7 +1,7 @@
 """The pools' own allocators and SGLang's one-pool SWA layouts.
 
 - ``full_attn_allocator`` / ``swa_attn_allocator`` read through the wrapper are checked views of those pools
-  (``wrapper._PoolView``): SGLang's unified radix cache evicts a node by freeing its full pages with
+  (``wrapper.forwarding._PoolView``): SGLang's unified radix cache evicts a node by freeing its full pages with
   ``full_attn_allocator.free_segment`` (below the composite's peer check) and then its SWA side with the composite's
   ``free_swa_segment``; HiCache and external KV loads allocate and free on either side directly. Before the views,
   those calls went around the wrapper and the next allocation of the freed pages read as ``duplicate_allocation``
