@@ -166,9 +166,13 @@ class KvLedger:
         self.peak_pages = np.zeros(0, np.int64)
         self.released_step = np.zeros(0, np.int64)  # the step of the slot's last release (what a leak names)
         self.generation = np.zeros(0, np.int64)  # bumped when a slot is released: a reused slot is a new request
-        # Decode allocations that included the request (written by the wrapper's decode paths, ``+= 1`` on the
-        # bound slots; zeroed when the slot is released, not by ``reset``: a retracted request keeps counting).
-        self.decode_steps = np.zeros(0, np.int64)
+        # Decode allocations that included the request (``decode_steps``; zeroed when the slot is released, not by
+        # ``reset``: a retracted request keeps counting). The decode paths count a run of decodes of one bound
+        # batch (the same slots array, a read-only binding's) in ``dec_slots``/``dec_n`` (``count_decodes``): a
+        # compare and an add per decode; the column takes the run when it is read or another batch decodes.
+        self._decode_steps = np.zeros(0, np.int64)
+        self.dec_slots: np.ndarray | None = None
+        self.dec_n = 0
         # slot -> (decode_steps, allocated, committed, evicted): the request's record as its last allocation or
         # checked write left it, saved by the first free (or clear) that changed it since (``keep``); stale once
         # the request decodes (its decode_steps moved), dropped by its next other allocation (``unkeep``) and its
@@ -189,7 +193,7 @@ class KvLedger:
         self.live, self.leaked, self.peak_pages = ext(self.live), ext(self.leaked), ext(self.peak_pages)
         self.released_step = ext(self.released_step)
         self.generation = ext(self.generation)
-        self.decode_steps = ext(self.decode_steps)
+        self._decode_steps = ext(self._decode_steps)
         self.owned = {p: ext(a) for p, a in self.owned.items()}
         self._free_slots.extend(range(cap - 1, self._cap - 1, -1))
         self._slot_rid.extend([None] * (cap - self._cap))
@@ -316,6 +320,27 @@ class KvLedger:
             self.peak_pages[slot] = 0
             self._slot_rid[slot] = None
             self._free_slots.append(slot)
+
+    @property
+    def decode_steps(self) -> np.ndarray:
+        """The decode steps per slot (the pending run of decodes added first)."""
+        if self.dec_n:
+            self.flush_decodes()
+        return self._decode_steps
+
+    def count_decodes(self, slots: np.ndarray) -> None:
+        """One decode of ``slots`` (distinct, never written: a binding's). The hot paths test
+        ``slots is dec_slots`` and add to ``dec_n`` themselves; this is the other case."""
+        if slots is self.dec_slots:
+            self.dec_n += 1
+            return
+        if self.dec_n:
+            self.flush_decodes()
+        self.dec_slots, self.dec_n = slots, 1
+
+    def flush_decodes(self) -> None:
+        n, self.dec_n = self.dec_n, 0
+        self._decode_steps[self.dec_slots] += n
 
     def keep(self, slot: int) -> None:
         """A free (or clear) is about to change ``slot``'s lengths: save its record first, unless one saved since

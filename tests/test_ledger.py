@@ -337,3 +337,16 @@ def test_view_reads_the_columns():
     assert (int(led.allocated[kv.slot]), int(led.committed[kv.slot]), int(led.evicted[kv.slot])) == (3 * PS, 7, PS)
     led.reset(kv.slot)
     assert values(kv) == (0, 0, 0)
+
+
+def test_decode_steps_count_runs_of_one_batch_and_restart_with_a_reused_slot():
+    led = KvLedger(4)
+    a, b = led.slots_of(["a", "b"]), led.slots_of(["b"])
+    for _ in range(3):
+        led.count_decodes(a)  # one run: counted without a column write
+    led.count_decodes(b)  # another batch: the run is added first
+    assert led.decode_steps[led.slot_of("a")] == 3 and led.decode_steps[led.slot_of("b")] == 4
+    led.count_decodes(a)
+    slot = led.release("a", leaked=False)  # a pending run naming a released slot is added before it is zeroed
+    assert led.decode_steps[slot] == 0 and led.decode_steps[led.slot_of("b")] == 5
+    assert led.slot_of("c") == slot and led.decode_steps[slot] == 0  # the slot's next request starts at 0

@@ -8,7 +8,7 @@ device, 2-D and 0-d shapes, None, a list, a float, an int, a numpy array (tensor
 negative int, a numpy array, a 0-d tensor, a string (ints); a mismatched batch length, negative lengths,
 prefix > seq, zero-length decode, a wrong ``extend_num_tokens``, an over-long SWA tail (batch arguments).
 
-What must happen (DESIGN.md, "Malformed calls"):
+What must happen (the wrapper's contract, "Malformed calls"):
 - ``record`` and ``raise``: a ``TypeError``/``ValueError`` that is an ``ArgumentError`` naming the argument (the
   message starts with ``"<name>:"``), after exactly one ``invalid_argument`` violation (op = the method, message
   ``"<method>: <name>: ..."``) was recorded and published; the inner allocator's state is unchanged and equal to

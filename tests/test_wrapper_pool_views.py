@@ -276,7 +276,7 @@ def test_a_refused_allocation_on_a_pool_is_an_alloc_failure_of_that_pool():
     assert _violations(w) == [] and allocator_state(w) == allocator_state(bare)
 
 
-# -- audit round: the views, the ring and the all-SWA allocator against SGLang's own semantics --------------------
+# -- the views, the ring and the all-SWA allocator against SGLang's own semantics --------------------
 def _raises_or_records(w, call):
     """``call()``, then two step boundaries (deferred checks land); the invariant id raised, or None."""
     try:

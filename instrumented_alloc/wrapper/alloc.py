@@ -22,7 +22,7 @@ from instrumented_alloc.shadow import (
     FREE,
     has_repeat,
 )
-from instrumented_alloc.wrapper.constants import _ADD, _B_ALLOC, _I64
+from instrumented_alloc.wrapper.constants import _ADD, _B_ALLOC, _I64, _MIN
 from instrumented_alloc.wrapper.state import _CallState, _charged, _Pool
 
 
@@ -32,11 +32,16 @@ def _count_decodes(led: KvLedger, slots: np.ndarray, shares) -> None:
     replace any a free saved (``KvLedger.kept``)."""
     if led.kept:
         led.unkeep(slots)
-    held = led.committed[slots] > 0
     if type(shares) is int:
-        if shares == 1:
-            led.decode_steps[slots] += held
+        if shares != 1 or not slots.size:
+            return
+        committed = led.committed[slots]
+        if _MIN.reduce(committed) > 0:  # every request holds KV (the usual decode): a count, no column write
+            led.count_decodes(slots)
+        else:
+            led.decode_steps[slots] += committed > 0
     else:
+        held = led.committed[slots] > 0
         held &= shares == 1
         led.decode_steps[slots] += held
 

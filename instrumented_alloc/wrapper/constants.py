@@ -26,6 +26,7 @@ _ADD = np.add
 
 
 _MAX = np.maximum
+_MIN = np.minimum
 
 
 _make_event = ev.make

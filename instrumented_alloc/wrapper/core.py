@@ -145,18 +145,16 @@ class InstrumentedAllocator(
         s(self, "_w_inner", inner)
         s(self, "inner", inner)
         s(self, "mode", mode)
+        s(self, "bus", ev.EventBus(sinks))
+        # Per-call mutable state and the per-wrapper constants live on a plain slotted object (see _CallState);
+        # the ``_w_*`` names below that are properties of this class write it (one copy).
+        s(self, "_w_st", _CallState(clock, threading.local(), self.bus, []))  # batch() binding is per thread
         s(self, "_w_off", mode == "off")
         s(self, "_w_raise", mode == "raise")
-        s(self, "_w_clock", clock)
         s(self, "_w_lock", threading.RLock())
-        s(self, "_w_to_raise", [])
         s(self, "_w_pending", deque())
-        s(self, "_w_tls", threading.local())  # batch() binding is per thread
         s(self, "_w_snapshot_every", int(snapshot_every))
         s(self, "_w_mismatch_reported", {})
-        s(self, "bus", ev.EventBus(sinks))
-        # Per-call mutable state lives on a plain slotted object (see _CallState).
-        s(self, "_w_st", _CallState(clock, self._w_tls, self.bus, self._w_to_raise))
         s(self, "violations", deque(maxlen=max_violations))
         s(self, "violation_counts", Counter())
         s(self, "trace_id_for", None)
@@ -244,10 +242,7 @@ class InstrumentedAllocator(
         s(self, "_w_off_batch", _OffBatch(self))
         # The constants again on the call state, the same objects (see _CallState): what the hot paths read.
         st = self._w_st
-        st.inner, st.lock, st.ps, st.shift = inner, self._w_lock, ps, self._w_shift
-        st.pending, st.consts, st.steps, st.device = self._w_pending, self._w_consts, self._w_steps, device
-        st.deferred, st.host, st.raising, st.need_sort = deferred, self._w_host, self._w_raise, need_sort
-        st.off = self._w_off
+        st.inner = inner
         st.cost = ledger.cost = SelfCost(cost_clock)
         st.track_lengths = allocated_len == "pages"
         st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
@@ -282,6 +277,17 @@ class InstrumentedAllocator(
     # instance dict stays within the 30 names CPython 3.11 keeps inline (past that the dict is materialised, and
     # neither ``self.method()`` nor ``alloc.method()`` on the wrapper is specialised any more: about 25 ns more
     # per call). ``__init__`` assigns them as before (``object.__setattr__`` runs these setters).
+    _w_clock = _state_property("clock", "The injected clock of the events and violations.")
+    _w_tls = _state_property("tls", "The thread-local that holds each thread's ``batch()`` binding.")
+    _w_to_raise = _state_property("to_raise", "Raise mode: the violations of the call in progress, to raise.")
+    _w_lock = _state_property("lock", "The lock every instrumented call holds (reentrant).")
+    _w_pending = _state_property("pending", "Deferred verification: the queued slot-tier checks, in call order.")
+    _w_off = _state_property("off", "Off mode: nothing is checked.")
+    _w_raise = _state_property("raising", "Raise mode.")
+    _w_ps = _state_property("ps", "The page size.")
+    _w_shift = _state_property("shift", "log2 of the page size when it is a power of two, else None.")
+    _w_device = _state_property("device", "The inner's device.")
+    _w_deferred = _state_property("deferred", "The slot tier is verified at step boundaries (see ``verify``).")
     _w_need_sort = _state_property("need_sort", "The inner sorts its free list lazily (SGLang's need_sort).")
 
     _w_inner_checks = _state_property("inner_checks", "The inner validates every argument itself.")

@@ -144,7 +144,11 @@ class _DecodeChecks:
                     n_new = self._decode_fast(st, o, seq, slots, bound, bs)
             if n_new is not None:
                 if slots is not None:
-                    st.ledger.decode_steps[slots] += 1
+                    led = st.ledger
+                    if slots is led.dec_slots:  # the pending run's batch (see KvLedger.count_decodes)
+                        led.dec_n += 1
+                    else:
+                        led.count_decodes(slots)
                     if st.want_ledger:
                         self._emit_ledger(op, slots, bound[0], private=True)  # the binding's (read-only)
                 if allocs:
@@ -188,7 +192,7 @@ class _DecodeChecks:
                 led.allocated[openers] = (seq[new_mask] + (ps - 1)) // ps * ps
             if not self._w_st.track_lengths:
                 led.allocated[slots] = seq  # tokens: the engine's next write (see _extend)
-            led.decode_steps[slots] += 1
+            led.count_decodes(slots)
             if self._w_st.want_ledger:
                 self._emit_ledger(op, slots, self._w_bound[0], private=True)  # the binding's (read-only)
         full, swa_pool = self._w_st.full, self._w_st.swa

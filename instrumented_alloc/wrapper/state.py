@@ -60,16 +60,13 @@ class _CallState:
     instrumented methods are not called) and assigning one goes through the forwarding ``__setattr__``. The hot
     paths fetch this object once per call and read everything else from it.
 
-    Three kinds of fields:
+    Four kinds of fields:
     - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
       refreshed by ``_sync_deltas`` whenever the sinks change);
-    - the per-wrapper constants, set once at construction and never reassigned: the same objects as the
-      wrapper's ``_w_inner``, ``_w_lock``, ``_w_ps``, ``_w_shift``, ``_w_clock``, ``_w_tls``, ``bus``,
-      ``_w_to_raise``, ``_w_pending``, ``_w_deferred`` ... (the wrapper keeps its attribute too, for the cold
-      paths and readers outside), except ``need_sort``, ``inner_checks``, ``atomic_free``, ``host``,
-      ``capture_before``, ``fast_*``, ``decode_runs``, ``extend_runs``, ``few_dirty``, ``direct_counts``,
-      ``consts`` and ``steps``, held here only (the wrapper's ``_w_*`` names for
-      them are properties: its instance dict must stay within 30 names, see ``InstrumentedAllocator``);
+    - the per-wrapper constants, set once at construction and never reassigned, held here only: the wrapper's
+      ``_w_*`` names for them are properties that read these slots (its instance dict must stay within 30
+      names, see ``InstrumentedAllocator``); ``inner`` alone is also the wrapper's ``_w_inner``, which every
+      forwarded attribute reads;
     - the per-wrapper values that are reassigned (``run``: the decode fast path's ``_DecodeRun``; ``pools``,
       ``full``, ``swa``, ``counts``: replaced by ``resize``): held here only, the single source of truth; the
       wrapper's ``_w_run``, ``_w_pools``, ``_w_full`` and ``_w_swa`` are properties that read and write these
