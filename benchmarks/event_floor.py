@@ -1,10 +1,9 @@
 """What the wrapper's events cost before any exporter touches them: ``python -m benchmarks.event_floor``.
 
 The engine loop of ``bench_exporters`` (``engine_loop``) with a null sink that declares each exporter's
-``event_types``, ``decode_allocs``, ``free_ledgers`` and ``decode_ledgers`` (and one with none: every kind),
-against the same loop with no sink, interleaved; CPU time of the process, median ratio of the repeats (a warm-up
-round first). The floor under each exporter's engine-loop row: what the wrapper spends building and delivering
-the events that exporter reads.
+``event_types`` (and one with none: every kind), against the same loop with no sink, interleaved; CPU time of the
+process, median ratio of the repeats (a warm-up round first). The floor under each exporter's engine-loop row:
+what the wrapper spends building and delivering the events that exporter reads.
 """
 
 from __future__ import annotations
@@ -17,19 +16,14 @@ import torch
 
 from benchmarks.bench_exporters import _wrapped, engine_loop
 
-_DECLARATIONS = ("decode_allocs", "free_ledgers", "decode_ledgers")
-
 
 class _Null:
-    """A sink that reads nothing; ``event_types`` as given (None: none declared, every kind is built) and the
-    declarations of ``_DECLARATIONS`` as the exporter makes them (see ``instrumented_alloc.events``)."""
+    """A sink that reads nothing; ``event_types`` as given (None: none declared, every kind is built)."""
 
-    def __init__(self, name: str, types, declared: dict):
+    def __init__(self, name: str, types):
         self.name = name
         if types is not None:
             self.event_types = frozenset(types)
-        for key, value in declared.items():
-            setattr(self, key, value)
 
     def __call__(self, batch) -> None:
         return None
@@ -40,14 +34,11 @@ def _sets() -> dict:
     from exporters.prometheus import _Sink
     from exporters.recorder import FlightRecorder
 
-    def declared(cls):
-        return cls.event_types, {k: getattr(cls, k) for k in _DECLARATIONS if hasattr(cls, k)}
-
     return {
-        "prometheus": declared(_Sink),
-        "otel": declared(OtelExporter),
-        "recorder": declared(FlightRecorder),
-        "all": (None, {}),
+        "prometheus": _Sink.event_types,
+        "otel": OtelExporter.event_types,
+        "recorder": FlightRecorder.event_types,
+        "all": None,
     }
 
 
@@ -61,13 +52,13 @@ def main(argv=None) -> dict:
     engine_loop(_wrapped(), iterations=2)  # lazy initialisation
     ratios: dict = {k: [] for k in sets}
     for r in range(args.repeats + 1):
-        for name, (types, declared) in sets.items():
+        for name, types in sets.items():
             base = _wrapped()
             t0 = time.process_time()
             engine_loop(base, iterations=args.iterations)
             off = time.process_time() - t0
             alloc = _wrapped()
-            alloc.subscribe(_Null(name, types, declared))
+            alloc.subscribe(_Null(name, types))
             t0 = time.process_time()
             engine_loop(alloc, iterations=args.iterations)
             on = time.process_time() - t0

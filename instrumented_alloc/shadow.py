@@ -6,7 +6,7 @@ Contract:
   carries both state and owner so that a decode batch is checked with one gather and one comparison.
 - The shadow is updated from host-side facts (``*_cpu`` arguments, Python ints) and from the values of handed-out
   and freed indices *after they reached the host* (at once for CPU tensors, at the next step boundary for
-  accelerator tensors: see ``wrapper.py``). Nothing here touches a device tensor.
+  accelerator tensors: see ``wrapper.verify``). Nothing here touches a device tensor.
 - Every check returns ``(invariant_id, message, slot)`` tuples (slot -1 when no request is concerned) and the
   shadow then mirrors what the inner allocator actually did, so one fault is reported once, under one id.
 - ``expected_entries`` is the number of entries the inner allocator's free list plus staged list should hold;

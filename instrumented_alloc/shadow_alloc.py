@@ -74,7 +74,7 @@ class AllocChecks:
         entries per page, ``slots`` naming each run's first slot) or an ``alloc``'s pages (``new_mask`` None), not a
         decode (one entry per request); at page size 1 only once the free list may list a page twice
         (``relisted``); see ``_opened_twice``. The wrapper's fast paths apply these same rules before they commit
-        (see ``wrapper._decode_fast``, ``wrapper._alloc_runs``, ``wrapper._alloc_fast``).
+        (see ``wrapper.decode``, ``wrapper.extend``, ``wrapper.alloc``).
         Counts are the caller's: ``on_alloc`` recounts the call's pages (``_recount``) when this reports."""
         if new_mask is not None:
             pages = pages[new_mask]
@@ -83,7 +83,7 @@ class AllocChecks:
             if slots is not None:
                 slots = slots[new_mask]
         if isinstance(own, np.ndarray) and (not own.size or own.item(0) < 0):
-            own = -1  # the unattributed code on every entry (see wrapper._decode_consts)
+            own = -1  # the unattributed code on every entry (see wrapper.decode)
         if isinstance(own, np.ndarray):
             bad = []
             back = self._owner_ext.take(pages, mode="clip")  # in range here; take is cheaper than a fancy gather

@@ -11,7 +11,7 @@ with the same calls:
 - one log line per fault (not one per event or batch) where the component logs;
 - recovery when the fault clears, where that makes sense.
 
-Where each fault is proved ("here": this module; otel = tests/exporters/test_otel.py, prom =
+Where each fault is proved ("here": this module; otel = tests/exporters/otel/test_export.py, prom =
 tests/exporters/test_prometheus.py, recorder = tests/exporters/test_recorder.py, events = tests/test_events.py):
 
 | fault | test |

@@ -42,9 +42,8 @@ from .lock import _claim_path, _remove_recording
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
-# Kinds never recorded: the wrapper's own snapshots (the recorder takes its own), the recorder's gap marker, and a
-# decode fold (the recorder reads every decode's LedgerUpdate; named, as the kind may not exist).
-_NOT_RECORDED = frozenset({"Snapshot", "EventsLost", "DecodeFold"})
+# Kinds never recorded: the wrapper's own snapshots (the recorder takes its own) and the recorder's gap marker.
+_NOT_RECORDED = frozenset({"Snapshot", "EventsLost"})
 _BOUNDARY, _VIOLATION_EVENT = ev.StepBoundary, ev.ViolationEvent
 
 

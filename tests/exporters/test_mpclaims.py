@@ -1,6 +1,6 @@
 """exporters/mpclaims.py: claims in a Prometheus multiprocess directory (label sets, the one server), directly.
 
-The exporter's use of them, with real rank processes, is in test_prometheus.py (multiprocess)."""
+The exporter's use of them, with real rank processes, is in test_prometheus_multiprocess.py."""
 
 from __future__ import annotations
 

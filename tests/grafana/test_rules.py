@@ -96,7 +96,7 @@ def test_grafana_provisioning():
     ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "kvalloc.yml").read_text())
     [src] = ds["datasources"]
     assert (src["type"], src["url"], src["isDefault"]) == ("prometheus", "http://localhost:9090", True)
-    # The exemplar label the exporter writes (exporters/prometheus.py: {"trace_id": ...}) becomes a trace link.
+    # The exemplar label the exporter writes (exporters/prometheus/catalog.py: {"trace_id": ...}) becomes a trace link.
     [dest] = src["jsonData"]["exemplarTraceIdDestinations"]
     assert dest["name"] == "trace_id" and dest["url"].endswith("$${__value.raw}")
     assert src["jsonData"]["timeInterval"] == "5s"  # == prometheus.yml's scrape_interval
