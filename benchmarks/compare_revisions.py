@@ -1,6 +1,7 @@
 """This checkout (head) side by side with a previous revision (base): one table of medians, base / head / head/base.
 
-``python -m benchmarks.compare_revisions --base REV [--quick] [--only ops|sglang] [--runs N] [--json PATH]``
+``python -m benchmarks.compare_revisions --base REV [--quick] [--only ops|exporters|engine|sglang]
+[--configs record,prometheus] [--runs N] [--json PATH]``
 
 REV is anything git resolves to a commit (a tag such as ``pre-restructure``, a branch, a hash). It is checked out
 into a temporary detached git worktree, removed at the end. Head is this checkout's working tree as it is
@@ -11,11 +12,14 @@ one run so that machine drift hits both:
 - ``ops``: the wrapper rows of ``benchmarks.bench_ops`` (wrapped / bare per operation, through its ``rows()``
   function, which the base offers too: ``bench_ops`` has no command line); ``--runs`` subprocesses per tree, each
   the median of ``--repeats`` samples per row; the table gives the median over the runs.
+- ``exporters`` and ``engine``: the same for ``bench_exporters.rows`` (each exporter on vs off) and
+  ``bench_engine.loop_rows`` (the demo step loop, everything on vs bare), with the arguments ``python -m
+  benchmarks`` gives them.
 - ``sglang``: ``benchmarks.bench_sglang``'s self-cost in host microseconds per scheduler iteration, configurations
-  record and prometheus at batch 256, through its ``--json`` output; one ``bench_sglang`` run per tree and
-  configuration (``--pairs`` bare/instrumented Engine pairs each, at least 3), the order of the trees alternating
-  between configurations; the table gives the median over the pairs. Minutes per Engine start: run it on a quiet
-  machine.
+  ``--configs`` (default record and prometheus) at batch 256, through its ``--json`` output; one ``bench_sglang``
+  run per tree and configuration (``--pairs`` bare/instrumented Engine pairs each, at least 3), the order of the
+  trees alternating between configurations; the table gives the median over the pairs. Minutes per Engine start:
+  run it on a quiet machine.
 
 ``--quick``: bench_ops' quick sizes with 3 repeats and 2 runs per tree, 3 SGLang pairs. The figures are ratios
 (ops) or microseconds (sglang): head/base < 1 means head is cheaper.
@@ -38,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("base", "head")
 SGLANG_CONFIGS = ("record", "prometheus")
+ROW_SECTIONS = ("ops", "exporters", "engine")
 SGLANG_BATCH = 256
 CHILD_TIMEOUT_S = 3600
 SGLANG_TIMEOUT_S = 4 * 3600
@@ -49,14 +54,23 @@ import json, sys
 import torch
 spec = json.loads(sys.argv[1])
 import instrumented_alloc
-from benchmarks import bench_ops
+from benchmarks import bench_engine, bench_exporters, bench_ops
 from benchmarks.common import CLOCKS
 tree = spec["tree"]
-for mod in (instrumented_alloc, bench_ops):
+for mod in (instrumented_alloc, bench_ops, bench_exporters, bench_engine):
     if not mod.__file__.startswith(tree + "/"):
         sys.exit(f"{mod.__name__} imported from {mod.__file__}, not from {tree}")
 torch.set_num_threads(1)
-rows = bench_ops.rows(repeats=spec["repeats"], quick=spec["quick"], clock=CLOCKS[spec["clock"]][0])
+thread_clock, process_clock = CLOCKS[spec["clock"]]
+repeats, quick = spec["repeats"], spec["quick"]
+section = spec.get("section", "ops")
+if section == "ops":
+    rows = bench_ops.rows(repeats=repeats, quick=quick, clock=thread_clock)
+elif section == "exporters":
+    rows = bench_exporters.rows(repeats=repeats, iterations=10 if quick else 20, clock=process_clock,
+                                demo_steps=1000 if quick else 3000)
+else:
+    rows = bench_engine.loop_rows(repeats=repeats, quick=quick, clock=process_clock)
 print("RESULT " + json.dumps([[name, list(rs)] for name, rs, _target in rows]), flush=True)
 """
 
@@ -112,14 +126,15 @@ def ops_medians(result: list) -> dict[str, float]:
     return {name: statistics.median(rs) for name, rs in result}
 
 
-def run_ops(tree: Path, *, repeats: int, quick: bool, clock: str) -> dict[str, float]:
-    spec = {"tree": str(tree), "repeats": repeats, "quick": quick, "clock": clock}
+def run_ops(tree: Path, *, repeats: int, quick: bool, clock: str, section: str = "ops") -> dict[str, float]:
+    """One child's medians per row of ``section`` (ops, exporters or engine) of the tree on its PYTHONPATH."""
+    spec = {"tree": str(tree), "repeats": repeats, "quick": quick, "clock": clock, "section": section}
     proc = subprocess.run(
         [sys.executable, "-c", OPS_CHILD, json.dumps(spec)],
         cwd=tree, env=child_env(tree), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
-        raise RuntimeError(f"bench_ops in {tree} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{section} rows in {tree} failed:\n{proc.stderr[-4000:]}")
     return ops_medians(parse_result(proc.stdout))
 
 
@@ -192,16 +207,18 @@ def _note(text: str) -> None:
 def measure(trees: dict[str, Path], args) -> dict[str, dict[str, list[float]]]:
     """Every row's values per side: ops (a median per run) then sglang (a self-cost per pair)."""
     samples: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
-    if "ops" in args.only:
+    for section in ROW_SECTIONS:
+        if section not in args.only:
+            continue
         for i, order in enumerate(orders(args.runs)):
             for side in order:
                 t0 = time.perf_counter()
-                got = run_ops(trees[side], repeats=args.repeats, quick=args.quick, clock=args.clock)
+                got = run_ops(trees[side], repeats=args.repeats, quick=args.quick, clock=args.clock, section=section)
                 for name, value in got.items():
                     samples[side].setdefault(name, []).append(value)
-                _note(f"ops run {i + 1}/{args.runs} {side}: {len(got)} rows, {time.perf_counter() - t0:.0f} s")
+                _note(f"{section} run {i + 1}/{args.runs} {side}: {len(got)} rows, {time.perf_counter() - t0:.0f} s")
     if "sglang" in args.only:
-        for config, order in zip(SGLANG_CONFIGS, orders(len(SGLANG_CONFIGS))):
+        for config, order in zip(args.configs, orders(len(args.configs))):
             for side in order:
                 t0 = time.perf_counter()
                 got = run_sglang(trees[side], config, pairs=args.pairs, batch=SGLANG_BATCH)
@@ -214,14 +231,18 @@ def main(argv=None) -> str:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compare_revisions", description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the revision to compare against (tag, branch, commit)")
     ap.add_argument("--quick", action="store_true", help="quick sizes, fewer runs and pairs")
-    ap.add_argument("--only", choices=("ops", "sglang"), action="append", help="run only these parts")
+    ap.add_argument("--only", choices=(*ROW_SECTIONS, "sglang"), action="append", help="run only these parts")
+    ap.add_argument(
+        "--configs", default=",".join(SGLANG_CONFIGS), help="bench_sglang configurations (default record,prometheus)"
+    )
     ap.add_argument("--runs", type=int, help="bench_ops subprocesses per tree (default 3; --quick 2)")
     ap.add_argument("--repeats", type=int, help="bench_ops samples per row in each run (default 5; --quick 3)")
     ap.add_argument("--pairs", type=int, help="bench_sglang pairs per configuration and tree (default 5; --quick 3)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="bench_ops' clock (default cpu)")
     ap.add_argument("--json", help="also write the rows and every value here")
     args = ap.parse_args(argv)
-    args.only = set(args.only or ("ops", "sglang"))
+    args.only = set(args.only or (*ROW_SECTIONS, "sglang"))
+    args.configs = tuple(c for c in args.configs.split(",") if c)
     args.runs = args.runs or (2 if args.quick else 3)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.pairs = args.pairs or (3 if args.quick else 5)
@@ -232,8 +253,9 @@ def main(argv=None) -> str:
         samples = measure({"base": base_tree, "head": ROOT}, args)
     rows = compare(samples)
     what = []
-    if "ops" in args.only:
-        what.append(f"ops: wrapped/bare ratios, over {args.runs} runs of {args.repeats} samples")
+    if args.only & set(ROW_SECTIONS):
+        sections = ", ".join(s for s in ROW_SECTIONS if s in args.only)
+        what.append(f"{sections}: ratios, over {args.runs} runs of {args.repeats} samples")
     if "sglang" in args.only:
         what.append(f"sglang: us per iteration, over {args.pairs} pairs")
     title = (

@@ -103,7 +103,7 @@ def test_every_event_kind_round_trips():
     ]
 
 
-# Written by the FlightRecorder of commit 1f8c2c5, the last before a step boundary carried the self-cost
+# Written by the FlightRecorder as it was before a step boundary carried the self-cost
 # (``StepBoundary.overhead``, ``iteration_seconds``): a paged allocator (16 pages of 4 tokens, snapshots every 5 steps,
 # meta engine "e0") serving requests r0, r1, r2 of 8 tokens (2 pages each), one admitted at each of steps 0-2, r0
 # freed and released at step 6, 12 steps. (Then ``PRAGMA page_size=1024; VACUUM``: the same rows in a smaller file.)

@@ -470,10 +470,10 @@ def test_events_built_for_another_sink_change_no_span():
             exporter.get_finished_spans(), lambda s: s.resource.attributes.get("service.name"), lambda s: None
         )
         provider.shutdown()
-        decode_allocs = [e for e in seen.events if type(e) is ev.Alloc and e.op == "alloc_decode"]
+        decode_events = [e for e in seen.events if type(e) is ev.Alloc and e.op == "alloc_decode"]
         return [
             {k: v for k, v in r.items() if k not in ("trace", "id", "times", "parent")} for r in spans
-        ], decode_allocs
+        ], decode_events
 
     alone, received = run([])
     with_keeper, built = run([Keep()])
