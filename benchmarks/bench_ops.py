@@ -59,7 +59,7 @@ def applicable(op: str, ps: int) -> bool:
 class _Case:
     """One allocator (bare or wrapped) and the requests driven through it."""
 
-    def __init__(self, op: str, ps: int, bs: int, tokens: int, mode: str | None, verify: str):
+    def __init__(self, op: str, ps: int, bs: int, tokens: int, mode: str | None, verify: str, fast_paths=True):
         if op in _SWA_OPS:
             inner = SWATokenToKVPoolAllocator(tokens, tokens, ps, torch.float16, "cpu")
         elif ps == 1:
@@ -67,7 +67,9 @@ class _Case:
         else:
             inner = PagedTokenToKVPoolAllocator(tokens, ps, torch.float16, "cpu")
         self.wrapped = mode is not None
-        self.alloc = InstrumentedAllocator(inner, mode=mode, verify=verify) if self.wrapped else inner
+        self.alloc = (
+            InstrumentedAllocator(inner, mode=mode, verify=verify, fast_paths=fast_paths) if self.wrapped else inner
+        )
         self.recording = self.wrapped and mode != "off"
         self.ps, self.bs = ps, bs
         self.n = 0
@@ -118,13 +120,15 @@ def _prompt(ps: int) -> int:
     return 3 * ps + 1
 
 
-def run(op: str, ps: int, bs: int, mode: str | None, verify: str, rounds: int, clock=time.thread_time) -> float:
+def run(
+    op: str, ps: int, bs: int, mode: str | None, verify: str, rounds: int, clock=time.thread_time, fast_paths=True
+) -> float:
     """Seconds (of ``clock``) spent in the timed calls of ``rounds`` rounds of ``bs`` requests (see the module
-    docstring); mode None: the bare allocator."""
+    docstring); mode None: the bare allocator. ``fast_paths``: the wrapper's (``InstrumentedAllocator``'s)."""
     prompt = _prompt(ps)
     decode = op in ("alloc_decode", "alloc_decode_mixed")
     n_req = bs if decode else bs * rounds
-    c = _Case(op, ps, bs, n_req * (prompt + 5 * ps + (rounds if decode else 0)) + 4 * ps, mode, verify)
+    c = _Case(op, ps, bs, n_req * (prompt + 5 * ps + (rounds if decode else 0)) + 4 * ps, mode, verify, fast_paths)
     a = c.alloc
     wrapped = c.wrapped
     if op == "alloc_decode_mixed":

@@ -178,6 +178,9 @@ class KvLedger:
         # the request decodes (its decode_steps moved), dropped by its next other allocation (``unkeep``) and its
         # release; a checked write updates its column. What ``record`` reads at the release.
         self.kept: dict[int, tuple[int, int, int, int]] = {}
+        # Whether anyone reads the records (the wrapper sets it while a sink reads ``RequestReleased``): otherwise
+        # a free saves nothing, and ``record`` reads the columns as they are.
+        self.keep_records = True
         self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
         self._grow(capacity)
 
@@ -345,6 +348,8 @@ class KvLedger:
     def keep(self, slot: int) -> None:
         """A free (or clear) is about to change ``slot``'s lengths: save its record first, unless one saved since
         its last allocation or write is still current (see ``kept``). Free paths only: decode pays nothing."""
+        if not self.keep_records:
+            return
         k = self.kept.get(slot)
         steps = self.decode_steps.item(slot)
         if k is None or k[0] != steps:

@@ -760,6 +760,24 @@ def test_request_released_carries_the_record_its_allocations_left_and_its_decode
     assert _strip(only.events) == _strip(released)
 
 
+@pytest.mark.parametrize("make", [paged, swa], ids=["paged", "swa"])
+def test_records_are_kept_through_frees_only_while_a_sink_reads_request_released(make):
+    """With no sink reading ``RequestReleased`` the frees save no record (nothing would read it); a sink that
+    subscribes later gets the records of the requests torn down from then on."""
+    w = InstrumentedAllocator(make(), mode="record", sliding_window=8)
+    _churn(w)
+    assert w.ledger.keep_records is False and w.ledger.kept == {}
+    k = Keeper(event_types={ev.RequestReleased})
+    w.subscribe(k)
+    assert w.ledger.keep_records is True
+    _churn(w)
+    released = [e for e in k.events if type(e) is ev.RequestReleased]
+    assert len(released) == 9
+    assert all(e.decode_steps == 6 and e.committed > 0 for e in released)
+    w.unsubscribe(k)
+    assert w.ledger.keep_records is False and w.ledger.kept == {}
+
+
 def _strip(es) -> list:
     """Events without seq and their clock readings (``CLOCK_FIELDS``), arrays as lists."""
     return [

@@ -51,6 +51,10 @@ class _Events:
         st.time_decode = st.want_alloc or wants(ev.AllocFailed)
         st.want_free = wants(ev.Free)
         st.want_released = wants(ev.RequestReleased)
+        # The requests' records (what RequestReleased carries) are kept through their frees only while read.
+        st.ledger.keep_records = st.want_released
+        if not st.want_released:
+            st.ledger.kept.clear()
         st.want_step = wants(ev.StepBoundary)
         st.want_write = wants(ev.LedgerWrite)
         st.want_evict = wants(ev.SwaEvict)
