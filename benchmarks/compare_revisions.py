@@ -18,8 +18,8 @@ one run so that machine drift hits both:
 - ``sglang``: ``benchmarks.bench_sglang``'s self-cost in host microseconds per scheduler iteration, configurations
   ``--configs`` (default record and prometheus) at batch 256, through its ``--json`` output; one ``bench_sglang``
   run per tree and configuration (``--pairs`` bare/instrumented Engine pairs each, at least 3), the order of the
-  trees alternating between configurations; the table gives the median over the pairs. Minutes per Engine start:
-  run it on a quiet machine.
+  trees alternating between configurations (a configuration named twice runs twice, its pairs pooled); the table
+  gives the median over the pairs. Minutes per Engine start: run it on a quiet machine.
 
 ``--quick``: bench_ops' quick sizes with 3 repeats and 2 runs per tree, 3 SGLang pairs. The figures are ratios
 (ops) or microseconds (sglang): head/base < 1 means head is cheaper.
@@ -222,7 +222,7 @@ def measure(trees: dict[str, Path], args) -> dict[str, dict[str, list[float]]]:
             for side in order:
                 t0 = time.perf_counter()
                 got = run_sglang(trees[side], config, pairs=args.pairs, batch=SGLANG_BATCH)
-                samples[side][sglang_row(config, SGLANG_BATCH)] = got
+                samples[side].setdefault(sglang_row(config, SGLANG_BATCH), []).extend(got)  # a config may repeat
                 _note(f"sglang {config} {side}: {[round(x) for x in got]} us, {time.perf_counter() - t0:.0f} s")
     return samples
 
