@@ -179,7 +179,7 @@ class KvLedger:
         # release; a checked write updates its column. What ``record`` reads at the release.
         self.kept: dict[int, tuple[int, int, int, int]] = {}
         # Whether anyone reads the records (the wrapper sets it while a sink reads ``RequestReleased``): otherwise
-        # a free saves nothing, and ``record`` reads the columns as they are.
+        # a free saves nothing, a plain alloc counts no decode step, and ``record`` reads the columns as they are.
         self.keep_records = True
         self.owned: dict[str, np.ndarray] = {p: np.zeros(0, np.int64) for p in self.pools}
         self._grow(capacity)
@@ -368,6 +368,10 @@ class KvLedger:
 
     def shrink(self, slots: np.ndarray, cap: np.ndarray) -> None:
         """``shrink_one`` of distinct ``slots`` with their caps."""
+        if not self.keep_records:  # no record to save: the lengths alone
+            self.allocated[slots] = new_allocated = np.minimum(self.allocated[slots], cap)
+            self.committed[slots] = np.minimum(self.committed[slots], new_allocated)
+            return
         allocated, committed = self.allocated[slots], self.committed[slots]
         new_allocated = np.minimum(allocated, cap)
         new_committed = np.minimum(committed, new_allocated)

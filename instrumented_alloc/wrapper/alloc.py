@@ -29,7 +29,9 @@ from instrumented_alloc.wrapper.state import _CallState, _charged, _Pool
 def _count_decodes(led: KvLedger, slots: np.ndarray, shares) -> None:
     """Before a plain ``alloc`` adds ``shares`` (an int or one per slot) to the bound requests: a share of one slot
     to a request already holding KV is a decode step (SGLang decodes so at page size 1). The records it sets
-    replace any a free saved (``KvLedger.kept``)."""
+    replace any a free saved (``KvLedger.kept``). Only while the records are read (``KvLedger.keep_records``)."""
+    if not led.keep_records:
+        return
     if led.kept:
         led.unkeep(slots)
     if type(shares) is int:
