@@ -256,19 +256,8 @@ class _FreeChecks:
             rids = (led.rid_of(s),)
             st.seq = seq = st.seq + 1
             st.events.append(_B_FREE(seq, clock(), st.step, op, pool.name, n, rids, dt))
-        for arr in led.owned.values():
-            if arr.item(s) > 0:
-                break
-        else:
-            if track:  # else the engine's lengths: a request with no page left keeps them
-                led.keep(s)
-                led.reset(s)
-                led.tainted.discard(s)
-        led.dirty.add(s)
-        # A released request's slot has no row to update, nor has the prefix cache's.
-        if st.want_ledger and led.live.item(s) and s != led.cache:
-            # prev[:1]: a view of a gather made for this free alone, never written.
-            self._emit_ledger(op, prev[:1], rids or (led.rid_of(s),), private=True)
+        # prev[:1]: a view of a gather made for this free alone, never written.
+        self._owner_freed(st, op, s, track, prev[:1], rids)
         if st.bus.active or st.to_raise or st.events:
             self._finish()
         return result
@@ -507,6 +496,14 @@ class _FreeChecks:
             rids = (led.rid_of(s),)
             st.seq = seq = st.seq + 1
             st.events.append(_B_FREE(seq, st.clock(), st.step, op, pool.name, int(n_entries), rids, duration))
+        # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
+        self._owner_freed(st, op, s, track, owners, rids)
+
+    def _owner_freed(self, st: _CallState, op: str, s: int, track: bool, slots, rids) -> None:
+        """What a free of request slot ``s``'s pages leaves in its ledger (the fast path's and ``_after_free_one``'s
+        common end): a request with no page left in any pool holds no KV (when its lengths are tracked), its
+        ledger comparison is due, and its ``LedgerUpdate`` (``slots``: ``[s]``, an array no one writes) is built."""
+        led = st.ledger
         for arr in led.owned.values():
             if arr.item(s) > 0:
                 break
@@ -518,5 +515,4 @@ class _FreeChecks:
         led.dirty.add(s)
         # A released request's slot has no row to update, nor has the prefix cache's.
         if st.want_ledger and led.live.item(s) and s != led.cache:
-            # owners: apply_free's prev[:1], a view of a clipped gather made for this free alone: never written.
-            self._emit_ledger(op, owners, rids or (led.rid_of(s),), private=True)
+            self._emit_ledger(op, slots, rids or (led.rid_of(s),), private=True)
