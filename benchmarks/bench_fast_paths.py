@@ -27,10 +27,7 @@ CASES = {
     "bind_memo": [("rebind_decode", 16, 256), ("rebind_decode", 16, 32)],
     "decode": [("alloc_decode", 16, 256), ("alloc_decode_mixed", 16, 256)],
     "decode_runs": [("alloc_decode", 16, 256), ("alloc_decode_mixed", 16, 256)],
-    "extend_runs": [("alloc_extend", 16, 256), ("alloc_extend", 16, 32)],
     "free": [("free", 16, 32), ("free_segment", 16, 32)],
-    "few_dirty": [("free", 16, 1), ("alloc_decode", 16, 1)],
-    "page_counts": [("alloc_decode", 16, 1), ("free", 16, 1)],
 }
 
 
@@ -71,14 +68,19 @@ def gain(op: str, ps: int, bs: int, without, *, repeats: int, quick: bool, clock
     return out
 
 
-def rows(*, repeats: int = 5, quick: bool = False, clock=time.thread_time) -> list[tuple[str, list[float]]]:
+def rows(
+    *, repeats: int = 5, quick: bool = False, clock=time.thread_time, only=None
+) -> list[tuple[str, list[float]]]:
+    """``only``: the fast-path names to measure (default: all, and the general-path block); the general-path block
+    then covers only their cases."""
+    names = list(FAST_PATHS) if only is None else list(only)
     out = []
-    for name in FAST_PATHS:
+    for name in names:
         without = frozenset(FAST_PATHS) - {name}
         for op, ps, bs in CASES[name]:
             rs = gain(op, ps, bs, without, repeats=repeats, quick=quick, clock=clock)
             out.append((f"{name}: {op} bs={bs} ps={ps} without/with", rs))
-    for op, ps, bs in sorted({c for cases in CASES.values() for c in cases}):
+    for op, ps, bs in sorted({c for n in names for c in CASES[n]}):
         rs = gain(op, ps, bs, False, repeats=repeats, quick=quick, clock=clock)
         out.append((f"none: {op} bs={bs} ps={ps} general/fast", rs))
     return out
@@ -88,13 +90,19 @@ def main(argv=None) -> str:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_fast_paths", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="samples per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="fewer calls per sample")
+    ap.add_argument("--only", help="comma-separated fast-path names (default: all)")
     args = ap.parse_args(argv)
+    only = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    if only is not None and (not only or set(only) - set(FAST_PATHS)):
+        unknown = sorted(set(only) - set(FAST_PATHS))
+        ap.error(f"--only: unknown fast-path names {unknown}; known: {', '.join(FAST_PATHS)}")
     torch.set_num_threads(1)
     started = time.perf_counter()
-    found = rows(repeats=args.repeats, quick=args.quick)
+    found = rows(repeats=args.repeats, quick=args.quick, only=only)
     width = max(len(n) for n, _ in found)
     lines = [
-        f"python -m benchmarks.bench_fast_paths --repeats {args.repeats}{' --quick' if args.quick else ''}: "
+        f"python -m benchmarks.bench_fast_paths --repeats {args.repeats}{' --quick' if args.quick else ''}"
+        f"{' --only ' + ','.join(only) if only else ''}: "
         f"thread CPU time, median of {args.repeats}; {time.perf_counter() - started:.0f} s",
         f"{'case':{width}} {'median':>8} {'min':>8} {'max':>8}",
     ]

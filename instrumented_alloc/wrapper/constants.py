@@ -105,10 +105,6 @@ _TAINTING = frozenset(
 _BIND_MEMO = 8
 
 
-# A step boundary compares up to this many changed requests one by one in Python ints, more with numpy.
-_FEW_DIRTY = 8
-
-
 # The fast paths the constructor's ``fast_paths`` switches (see ``InstrumentedAllocator``): each verifies the
 # usual call of its kind more cheaply and changes nothing when it declines, so that the general path then judges
 # the call. Off, a wrapper takes the general paths only; the findings are the same either way.
@@ -117,10 +113,7 @@ FAST_PATHS = (
     "bind_memo",  # each thread remembers its last few batch() bindings (ids -> slots)
     "decode",  # alloc_decode at a power-of-two page size > 1: whole-array compares
     "decode_runs",  # after a decode in step, the next decodes of the batch checked against their expected bytes
-    "extend_runs",  # an all-new extend of whole-page runs, checked on one slot per page
     "free",  # the usual free: every page of one owner
-    "few_dirty",  # a step boundary comparing a few requests' ledgers in Python ints
-    "page_counts",  # our paged allocator's free + staged pages read directly
 )
 
 

@@ -30,10 +30,7 @@ class _PoolTransitions:
                 self._w_st.cost.start()
             led = self._w_st.ledger
             need_sort = self._w_need_sort
-            pools = {
-                n: _make_pool(n, p.allocator, led, need_sort, self._w_st.direct_counts)
-                for n, p in self._w_st.pools.items()
-            }
+            pools = {n: _make_pool(n, p.allocator, led, need_sort) for n, p in self._w_st.pools.items()}
             object.__setattr__(self, "_w_pools", pools)
             object.__setattr__(self, "_w_full", pools["full"])
             object.__setattr__(self, "_w_swa", pools.get("swa"))

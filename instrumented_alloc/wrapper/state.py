@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import functools
 import operator
-import types
 from collections.abc import Callable
 
 import numpy as np
 
-from instrumented_alloc.allocators.paged import PagedTokenToKVPoolAllocator
 from instrumented_alloc.ledger import KvLedger
 from instrumented_alloc.selfcost import SelfCost
 from instrumented_alloc.shadow import (
@@ -87,13 +85,10 @@ class _CallState:
         "deferred",
         "detached",
         "device",
-        "direct_counts",
         "events",
-        "extend_runs",
         "fast_alloc",
         "fast_decode",
         "fast_free",
-        "few_dirty",
         "full",
         "host",
         "inner",
@@ -162,29 +157,11 @@ def _state_property(field: str, doc: str) -> property:
     return property(operator.attrgetter(f"_w_st.{field}"), set_field, doc=doc)
 
 
-def _page_counter(allocator, ps: int, direct: bool = True) -> tuple[Callable[[], int], Callable[[], int]]:
+def _page_counter(allocator, ps: int) -> tuple[Callable[[], int], Callable[[], int]]:
     """``(count, probe)``, two no-argument callables. ``count()`` returns ``allocator.available_size() // ps``:
     free + staged pages as the inner counts them (host ints and tensor lengths only: never a sync); ``probe()``
     a value that changes whenever ``available_size()`` does (what a free compares before and after an inner call
-    that raised). For our paged allocator itself (exactly that
-    class, its ``available_size`` not overridden on the instance) the same sum read directly, with the free list's
-    ``shape[0]``: ``available_size`` is ``(len(free_pages) + num_staged_pages) * page_size``, and torch's
-    ``len()`` of a tensor is a Python-level method (a microsecond per count, read several times per step). An
-    ``available_size`` set on the instance (a test's patch, before or after wrapping) is called instead. Any
-    other allocator (SGLang's among them): its own ``available_size``."""
-    if direct and type(allocator) is PagedTokenToKVPoolAllocator and int(allocator.page_size) == ps:
-        # The patch check reads the bound method, not the instance's __dict__: reading an object's __dict__
-        # makes CPython 3.11 materialise it, and every attribute access of the inner's own code is slower from
-        # then on (3-7% of an off-mode call at page size 1, measured).
-        own = PagedTokenToKVPoolAllocator.available_size
-
-        def count() -> int:
-            m = allocator.available_size
-            if type(m) is not types.MethodType or m.__func__ is not own:
-                return m() // ps
-            return allocator.free_pages.shape[0] + allocator.num_staged_pages
-
-        return count, count  # available_size() is count() * ps here: one changes exactly when the other does
+    that raised). Both call the allocator's ``available_size`` each time, so a patched one is honoured."""
 
     def count() -> int:
         return allocator.available_size() // ps
@@ -199,13 +176,13 @@ class _Pool:
     """One pool's allocator object and the shadow of its pages. ``count()``: free + staged pages as the inner
     counts them; ``probe()``: changes whenever the inner's ``available_size()`` does (see ``_page_counter``)."""
 
-    def __init__(self, name: str, allocator, shadow: PoolShadow, dedup_free: bool, direct_counts: bool = True):
+    def __init__(self, name: str, allocator, shadow: PoolShadow, dedup_free: bool):
         self.name = name
         self.allocator = allocator
         self.shadow = shadow
         self.dedup_free = dedup_free
         self.page_size = shadow.page_size
-        self.count, self.probe = _page_counter(allocator, shadow.page_size, direct_counts)
+        self.count, self.probe = _page_counter(allocator, shadow.page_size)
 
     def entries(self) -> int:
         """Free + staged pages as the inner allocator counts them (host ints and tensor lengths only)."""
@@ -225,12 +202,12 @@ class _Pool:
         return pages.detach().to("cpu").numpy().astype(np.int64, copy=False)
 
 
-def _make_pool(name: str, allocator, ledger: KvLedger, need_sort: bool, direct_counts: bool = True) -> _Pool:
+def _make_pool(name: str, allocator, ledger: KvLedger, need_sort: bool) -> _Pool:
     ps = int(allocator.page_size)
     paged = hasattr(allocator, "num_pages")
     num_pages = int(allocator.num_pages) if paged else int(allocator.size)
     shadow = PoolShadow(name, ps, num_pages, dedup_free=paged, need_sort=need_sort, ledger=ledger)
-    return _Pool(name, allocator, shadow, paged, direct_counts)
+    return _Pool(name, allocator, shadow, paged)
 
 
 class _Binding:

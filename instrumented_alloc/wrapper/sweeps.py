@@ -46,18 +46,14 @@ class _Sweeps:
             if not pending:
                 # _boundary_checks("step"), inline for the usual boundary (a method call costs what it checks):
                 # every pool's count; on a mismatch the general form, which reports it; else the ledger against
-                # the pages for the requests that changed (a few: one by one, as _check_ledger_pages does).
+                # the pages for the requests that changed.
                 for count, shadow in st.counts:
                     if count() != shadow.expected_entries:
                         self._boundary_checks("step")
                         break
                 else:
-                    dirty = st.ledger.dirty
-                    if dirty:
-                        if len(dirty) <= self._w_st.few_dirty:
-                            self._check_few_ledger_pages("step")
-                        else:
-                            self._check_ledger_pages("step", False)
+                    if st.ledger.dirty:
+                        self._check_ledger_pages("step", False)
             bus = st.bus
             if bus.active:
                 if st.want_pages:
@@ -150,11 +146,6 @@ class _Sweeps:
             dirty = led.dirty
             if not dirty:
                 return
-            if len(dirty) <= self._w_st.few_dirty:
-                # The usual boundary compares a few requests (one eviction, a finish): the same comparison in
-                # Python ints costs a fraction of the dozen numpy calls of the vector form below.
-                self._check_few_ledger_pages(op)
-                return
             slots = np.fromiter(dirty, np.int64, len(dirty))
             live = led.live[slots]
             if led.cache >= 0:
@@ -185,36 +176,6 @@ class _Sweeps:
                 continue
             for i in np.flatnonzero(have != want):
                 self._ledger_mismatch(op, name, int(slots[i]), int(want[i]), int(have[i]))
-
-    def _check_few_ledger_pages(self, op: str) -> None:
-        """``_check_ledger_pages`` of the dirty requests, one by one (for a handful of them)."""
-        led = self._w_st.ledger
-        live, allocated, evicted, protected = led.live, led.allocated, led.evicted, led.protected
-        cache = led.cache  # the prefix cache's slot has no ledger row to compare
-        slots = [s for s in led.dirty if live.item(s) and s != cache]  # the vector form's order: the set's
-        led.dirty.clear()
-        ps = self._w_ps
-        full = led.owned["full"]
-        swa = led.owned.get("swa")
-        one_pool = self._w_st.swa_frees == "pool"  # the all-SWA allocator: evicted pages leave its one pool
-        later = []  # the swa pool's mismatches, reported after every full one
-        for s in slots:
-            # The request's own pages: those of [cache_protected_len, kv_allocated_len).
-            total = (allocated.item(s) + ps - 1) // ps
-            p = protected.item(s)
-            want = total - p // ps
-            if one_pool:
-                want = total - max(evicted.item(s), p) // ps
-            have = full.item(s)
-            if have != want:
-                self._ledger_mismatch(op, "full", s, want, have)
-            if swa is not None:
-                want_swa = total - max(evicted.item(s), p) // ps
-                have = swa.item(s)
-                if have != want_swa:
-                    later.append((s, want_swa, have))
-        for s, want, have in later:
-            self._ledger_mismatch(op, "swa", s, want, have)
 
     def _ledger_mismatch(self, op: str, name: str, s: int, want: int, have: int) -> None:
         """Report that request slot ``s`` owns ``have`` pages of pool ``name`` where its ledger means ``want``:
