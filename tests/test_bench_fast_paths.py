@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from benchmarks import bench_fast_paths
 from instrumented_alloc.wrapper import FAST_PATHS
 
@@ -17,3 +19,13 @@ def test_each_case_runs_clean_with_and_without_its_fast_path():
         for op, ps, _bs in cases:
             for fast in (True, frozenset(FAST_PATHS) - {name}, False):
                 assert bench_fast_paths._run(op, ps, 2, 2, time.perf_counter, fast) > 0
+
+
+def test_only_measures_the_named_fast_paths_and_rejects_unknown_names(capsys):
+    found = bench_fast_paths.rows(repeats=1, quick=True, only=["free"], clock=time.perf_counter)
+    names = [n for n, _ in found]
+    assert [n.split(":")[0] for n in names] == ["free", "free", "none", "none"]
+    assert all(len(rs) == 1 and rs[0] > 0 for _, rs in found)
+    with pytest.raises(SystemExit):
+        bench_fast_paths.main(["--only", "free,extend_runs"])
+    assert "unknown fast-path names ['extend_runs']" in capsys.readouterr().err
