@@ -30,6 +30,7 @@ from instrumented_alloc import events as ev
 from instrumented_alloc.allocators import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from tests.engine_model import Req, extend_args, split_extend, t
 from tests.prometheus_server import api, need_binary, query, wait_until_up
+from tests.public_api import foreign_private_names, private_imports
 
 REPO = Path(__file__).resolve().parents[2]
 PS = 4
@@ -471,6 +472,7 @@ def test_failing_sink_never_reaches_the_caller(monkeypatch):
     tap = _Tap()
     w.subscribe(tap)
     try:
+
         def boom(op):
             raise RuntimeError("boom")
 
@@ -533,25 +535,11 @@ def test_refresh_interval_must_be_finite(bad):
 
 
 def test_the_exporter_touches_no_private_attribute_of_prometheus_client():
-    # Every private name the package reads or writes (``obj._x``, ``getattr(obj, "_x")``) is one it defines
-    # itself, or the wrapper's lock (``close()`` asks whether its caller holds it): none of prometheus_client's.
-    import ast
-
+    # Every private name the package reads or writes is one it defines itself, or the wrapper's lock (``close()``
+    # asks whether its caller holds it): none of prometheus_client's.
     package = REPO / "exporters" / "prometheus"
-    trees = [ast.parse(f.read_text()) for f in sorted(package.glob("*.py"))]
-    defined, used = set(), set()
-    for tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                defined.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                defined.add(node.attr)
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                used.add(node.attr)
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
-                used.update(a.value for a in node.args[1:2] if isinstance(a, ast.Constant))
-    private = {n for n in used if isinstance(n, str) and n.startswith("_") and not n.startswith("__")}
-    assert private - defined == {"_w_lock", "_is_owned"}
+    assert foreign_private_names(package) == {"_w_lock", "_is_owned"}
+    assert private_imports(package, "prometheus_client") == []
 
 
 # -- 5. label cardinality ----------------------------------------------------------------------------------------
