@@ -27,6 +27,8 @@ CASES = {
     "bind_memo": [("rebind_decode", 16, 256), ("rebind_decode", 16, 32)],
     "decode": [("alloc_decode", 16, 256), ("alloc_decode_mixed", 16, 256)],
     "decode_runs": [("alloc_decode", 16, 256), ("alloc_decode_mixed", 16, 256)],
+    # One request's extend (SGLang's prefill of one new request; alloc_extend_swa_tail's rows are calls of one).
+    "extend_runs": [("alloc_extend", 16, 1), ("alloc_extend_swa_tail", 16, 32), ("alloc_extend", 16, 256)],
     "free": [("free", 16, 32), ("free_segment", 16, 32)],
 }
 

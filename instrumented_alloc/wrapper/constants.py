@@ -113,6 +113,7 @@ FAST_PATHS = (
     "bind_memo",  # each thread remembers its last few batch() bindings (ids -> slots)
     "decode",  # alloc_decode at a power-of-two page size > 1: whole-array compares
     "decode_runs",  # after a decode in step, the next decodes of the batch checked against their expected bytes
+    "extend_runs",  # an all-new extend of whole-page runs, checked on one slot per page
     "free",  # the usual free: every page of one owner
 )
 

@@ -101,10 +101,10 @@ class InstrumentedAllocator(
     one inner lacks answers as that inner does (``AttributeError``).
 
     ``fast_paths`` (True: all; False: none; or names of ``FAST_PATHS``): the fast paths of immediate verification
-    (``alloc``, ``decode``, ``decode_runs``, ``free``) and of the bookkeeping (``bind_memo``). Each verifies the
-    usual call of its kind more cheaply and changes nothing when it declines; the general path then judges the
-    call. The findings, state and events are the same either way: switching them off is how tests compare the two,
-    and what to try when a fast path is suspected."""
+    (``alloc``, ``decode``, ``decode_runs``, ``extend_runs``, ``free``) and of the bookkeeping (``bind_memo``).
+    Each verifies the usual call of its kind more cheaply and changes nothing when it declines; the general path
+    then judges the call. The findings, state and events are the same either way: switching them off is how tests
+    compare the two, and what to try when a fast path is suspected."""
 
     # The class the generated classes are made from (see _subclass_for); set on each generated class.
     _w_base = None
@@ -242,7 +242,7 @@ class InstrumentedAllocator(
         st.inner_checks, st.atomic_free = self._w_inner_checks, self._w_atomic_free
         st.capture_before = self._w_capture_before
         st.fast_decode, st.fast_alloc, st.fast_free = self._w_fast_decode, self._w_fast_alloc, self._w_fast_free
-        st.decode_runs = "decode_runs" in fast
+        st.decode_runs, st.extend_runs = "decode_runs" in fast, "extend_runs" in fast
         st.bind_memo = "bind_memo" in fast
         self._sync_deltas()
         self.bus.on_change = self._sync_deltas  # alloc.bus.subscribe(sink) directly refreshes what is built too

@@ -3,7 +3,9 @@
 Contract (``_ExtendChecks``, a mixin of ``InstrumentedAllocator``): validates the batch, forwards the call, then
 checks that every slot sits at its position's offset in its page, that each opened page was free and no page went
 to two requests, and mirrors it: the shadows, the bound requests' ledger columns (owned pages, lengths; the
-records a free saved are dropped) and the call's events. An SWA tail's evicted length is judged before the call."""
+records a free saved are dropped) and the call's events. An SWA tail's evicted length is judged before the call.
+The page-run check (``fast_paths`` "extend_runs") verifies an all-new extend of whole-page runs on one slot per
+page and changes nothing when it declines; the per-slot check then judges the call."""
 
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ from instrumented_alloc.argcheck import (
     check_batch,
     check_int,
 )
-from instrumented_alloc.wrapper.constants import _ABSENT, _ADD, _I64
+from instrumented_alloc.shadow import (
+    FREE,
+    PoolShadow,
+    entry_ids,
+)
+from instrumented_alloc.wrapper.constants import _ABSENT, _ADD, _I64, _MAX
 from instrumented_alloc.wrapper.state import _charged, _Pool
 
 
@@ -144,6 +151,17 @@ class _ExtendChecks:
                 aligned = not prefix.item(0) % ps
             else:
                 aligned = not np.count_nonzero(prefix & m if shift is not None else prefix % ps)
+            # Immediate checks of an all-new extend whose pages are runs of page_size slots in call order (every
+            # prefix page-aligned, every request but the last a whole number of pages: one request, or whole-page
+            # chunks) try the page-run check first (_alloc_runs), which needs neither the slots' positions nor
+            # their owners: those are built only when it declines (the per-slot check) or for a deferred check.
+            runs = (
+                st.extend_runs
+                and aligned
+                and shift is not None
+                and not st.deferred
+                and (bs == 1 or not np.count_nonzero(ext[:-1] & m))
+            )
             full, swa_pool = st.full, st.swa
             led = st.ledger
             if slots is not None:
@@ -166,11 +184,12 @@ class _ExtendChecks:
             swa_grow = None
             if swa and swa_pool is not None:
                 if tail is _ABSENT:
-                    swa_grow, swa_n_new = grow, n_new
+                    swa_grow, swa_ext, swa_n_new = grow, ext, n_new
                     peer = self._swa_peer(out)
                 elif tail > 0:
                     swa_n_new = (tail + ps - 1) // ps
                     swa_grow = np.array([swa_n_new], np.int64)
+                    swa_ext = np.array([tail], np.int64)  # bs == 1: the tail is the request's whole SWA share
                     peer = self._swa_peer(out[-tail:])
                 if swa_grow is not None and slots is not None:
                     owned_swa = led.owned["swa"]
@@ -179,24 +198,43 @@ class _ExtendChecks:
                         owned_swa[s0] = owned_swa.item(s0) + swa_grow.item(0)
                     else:
                         owned_swa[slots] += swa_grow
-            pos, own = self._extend_layout(prefix, ext, n, bs, slots)
-            new_mask = None if aligned else pos >= (ceil_prefix * ps).repeat(ext)
-            if swa_grow is not None:
-                if tail is _ABSENT:
-                    swa_pos, swa_new, swa_own = pos, new_mask, own
-                else:
-                    swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
-                    swa_new = None  # every tail slot opens its page
-                    swa_own = own if slots is None else own[-tail:]
-            swa_args = (swa_pos, swa_own, swa_pool, swa_new, swa_n_new) if swa_grow is not None else None
-            if st.deferred:
-                full_args = (pos, own, full, new_mask, n_new)
-                self._extend_deferred(out, peer if swa_grow is not None else None, full_args, swa_args, op)
+            if runs:
+                # Immediate: called directly, no closure (this is every fresh request's extend).
+                o = out.numpy()
+                pos = own = None
+                if not self._alloc_runs(o, slots, grow, ext, full.shadow, n_new):
+                    pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                    self._check_extend(o, pos, own, full, None, n_new, op, "full")
+                if swa_grow is not None and not self._alloc_runs(
+                    peer, slots, swa_grow, swa_ext, swa_pool.shadow, swa_n_new
+                ):
+                    if tail is _ABSENT:
+                        if pos is None:
+                            pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                        swa_pos, swa_own = pos, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_own = -1 if slots is None else slots.astype(np.int32).repeat(swa_ext)
+                    self._check_extend(peer, swa_pos, swa_own, swa_pool, None, swa_n_new, op, "swa")
             else:
-                # Immediate (host tensors): at once, no closure.
-                self._check_extend(out.numpy(), pos, own, full, new_mask, n_new, op, "full")
-                if swa_args is not None:
-                    self._check_extend(peer, *swa_args, op, "swa")
+                pos, own = self._extend_layout(prefix, ext, n, bs, slots)
+                new_mask = None if aligned else pos >= (ceil_prefix * ps).repeat(ext)
+                if swa_grow is not None:
+                    if tail is _ABSENT:
+                        swa_pos, swa_new, swa_own = pos, new_mask, own
+                    else:
+                        swa_pos = np.arange(tail, dtype=np.int64)  # the SWA side lays the tail out from position 0
+                        swa_new = None  # every tail slot opens its page
+                        swa_own = own if slots is None else own[-tail:]
+                swa_args = (swa_pos, swa_own, swa_pool, swa_new, swa_n_new) if swa_grow is not None else None
+                if st.deferred:
+                    full_args = (pos, own, full, new_mask, n_new)
+                    self._extend_deferred(out, peer if swa_grow is not None else None, full_args, swa_args, op)
+                else:
+                    # Immediate (host tensors): at once, no closure.
+                    self._check_extend(out.numpy(), pos, own, full, new_mask, n_new, op, "full")
+                    if swa_args is not None:
+                        self._check_extend(peer, *swa_args, op, "swa")
             if st.want_alloc:
                 emit_alloc = self._emit_alloc
                 emit_alloc(op, got, n_new, dt)
@@ -276,3 +314,60 @@ class _ExtendChecks:
         bad = pool.shadow.on_alloc(pages, own, new, n_new, op, True, o)  # runs: page_size slots per page
         if bad:
             self._report(bad, name, op)
+
+    def _alloc_runs(
+        self, o: np.ndarray, slots, grow: np.ndarray, ext: np.ndarray, shadow: PoolShadow, n_new: int
+    ) -> bool:
+        """One pool's check of an all-new extend (immediate, power-of-two page size) whose slots ``o`` form runs of
+        page_size consecutive positions, each run starting on a page boundary (the last run may be shorter), each
+        run one request's (see ``_extend``), for the case where every check passes: each run lies in one page at
+        its positions' offsets (the run's k-th slot is its page's k-th: ``o`` equals its pages' first slots plus
+        0 .. page_size - 1, compared as bytes), each run's page was free, and no two runs share a page (one
+        duplicate test on the runs' pages: two requests', or one request's twice). That is the per-slot check
+        (``slot % ps == position % ps``, ``on_alloc`` with every slot new) on one slot per page. Then it applies
+        what ``on_alloc`` applies (owners: request ``r``'s ledger slot on its ``grow[r]`` pages, the page delta
+        ``on_alloc`` records for it when deltas are kept, one entry per page, the free count) and returns True;
+        otherwise it returns False having changed nothing, and the per-slot check runs and reports. ``slots``: the
+        bound requests' ledger slots (None: unattributed); ``ext``: each request's slots in ``o`` (not read since
+        the page delta keeps one entry per page; kept for the callers)."""
+        ps, shift = self._w_ps, self._w_shift
+        n = o.size
+        if not n or o.dtype is not _I64:
+            return False
+        pages = o[::ps] >> shift  # one per run (a negative slot floors to a negative page: reserved below)
+        # Each run's expected slots: its page's first slot + the offsets. One bytes compare checks alignment and
+        # that no run leaves its page.
+        expected = (pages << shift)[:, None] + shadow.offsets
+        if o.tobytes() != expected.tobytes()[: o.nbytes]:
+            return False
+        # A page outside the pool reads as reserved (the clipped gather, see PoolShadow): not free.
+        prev = shadow._owner_ext.take(pages, mode="clip")
+        if _MAX.reduce(prev) > FREE:
+            return False
+        # One page opened twice in this call (the inner listed it twice), for two requests or for one: declined,
+        # the owners as they were; the per-slot check reports it (PoolShadow.shared_in_call, with one page per run
+        # here). Found by writing each run's id at its page and reading them back (the later run's id wins): a
+        # scatter and a gather, where a sort of the pages would cost several times more at a batch's size.
+        if n_new > 1:
+            if pages.size != n_new:
+                return False
+            ids = entry_ids(n_new)
+            owner = shadow.owner
+            owner[pages] = ids
+            if owner[pages].tobytes() != ids.tobytes():
+                owner[pages] = prev
+                return False
+        if slots is None:
+            own = -1
+        elif slots.size == 1:
+            own = slots.item(0)  # one request owns every page
+        else:
+            own = slots.astype(np.int32).repeat(grow)  # the owner codes' dtype: no cast below, a private delta
+        shadow.owner[pages] = own
+        shadow.version += 1  # the owners changed (see PoolShadow.version: a decode run must not outlive this)
+        if shadow.deltas is not None:
+            # What on_alloc records for such a call (runs: one entry per page, see PoolShadow._note_alloc); pages:
+            # a shift computed here, held by no one else.
+            shadow.note(pages, own, private=True)
+        shadow.expected_entries -= n_new
+        return True

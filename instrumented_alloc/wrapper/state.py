@@ -86,6 +86,7 @@ class _CallState:
         "detached",
         "device",
         "events",
+        "extend_runs",
         "fast_alloc",
         "fast_decode",
         "fast_free",

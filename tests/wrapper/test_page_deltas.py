@@ -13,12 +13,10 @@ from tests.wrapper.scenarios import (
     RUN_SCENARIOS,
     SCENARIOS,
     _decode,
-    _extend,
     _page_log,
     _PageLog,
     _start,
     big_paged,
-    paged,
     paged_decode_mixed_clean,
     paged_decode_run_clean,
     paged_decode_run_unbound,
@@ -84,15 +82,3 @@ def test_decode_page_delta_lists_the_opened_pages_in_batch_order():
 def test_page_handed_to_two_requests_in_one_call_publishes_what_the_general_path_publishes(scenario, monkeypatch):
     fast = _page_log(scenario, "immediate", monkeypatch)  # replay equals the live shadow (asserted inside)
     assert _page_log(scenario, "immediate", monkeypatch, general=True).updates == fast.updates
-
-
-def test_extend_page_delta_lists_each_new_page_once():
-    # A chunk from inside a page: the continued page has no entry, each new page one.
-    w, reqs = _start(paged, "immediate", lens=(PS + 1, PS))
-    log = _PageLog()
-    log.start(w)
-    w.subscribe(log)
-    _extend(w, reqs, [2 * PS + 1, PS + 2])
-    a, b = (w.ledger.slot_of(r.rid) for r in reqs)
-    pages = [reqs[0].row[s] // PS for s in (2 * PS, 3 * PS)] + [reqs[1].row[s] // PS for s in (PS, 2 * PS)]
-    assert log.updates == [("full", pages, [a, a, b, b])]
