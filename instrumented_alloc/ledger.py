@@ -360,7 +360,8 @@ class KvLedger:
         ``allocated``; the record saved first when they change (``keep``)."""
         allocated = self.allocated.item(slot)
         if allocated > cap or self.committed.item(slot) > min(allocated, cap):
-            self.keep(slot)
+            if self.keep_records:  # tested here: the call alone costs a free a few percent
+                self.keep(slot)
             if allocated > cap:
                 self.allocated[slot] = allocated = cap
             if self.committed.item(slot) > allocated:

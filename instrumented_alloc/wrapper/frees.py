@@ -509,7 +509,8 @@ class _FreeChecks:
                 break
         else:
             if track:  # else the engine's lengths: a request with no page left keeps them
-                led.keep(s)
+                if led.keep_records:
+                    led.keep(s)
                 led.reset(s)
                 led.tainted.discard(s)
         led.dirty.add(s)
