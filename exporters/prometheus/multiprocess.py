@@ -273,9 +273,10 @@ class MultiprocessMetrics:
 
 def trailing_refresher(ref: weakref.ref, stop: threading.Event, period: float) -> None:
     """A daemon thread per exporter: the refresh the rate limit held back. A step boundary within
-    ``refresh_interval`` of the last refresh leaves the gauges behind, and so does any call after the last step;
-    an engine that then goes idle calls nothing that would refresh them, and they would show the busy state for as
-    long as it stays idle. This wakes every ``period`` seconds and refreshes once the interval has passed if an
+    ``refresh_interval`` of the last refresh leaves the gauges behind; an engine that then goes idle calls nothing
+    that would refresh them, and they would show the busy state for as long as it stays idle. (Calls after the last
+    boundary reach no sink of ours: they show from the next ``step()`` or ``flush()``; SGLang's plugin steps when
+    the scheduler goes idle.) This wakes every ``period`` seconds and refreshes once the interval has passed if an
     event came in since the last refresh (at most once per interval; the snapshot takes the wrapper's lock, as the
     engine's own refresh does). Holds the exporter weakly (``ref``): it ends when ``stop`` is set (``close()``) or
     the exporter is gone. Failures are kept in the exporter's ``last_error``."""
