@@ -87,7 +87,7 @@ class Totals:
         d[key] = value
         return value
 
-    # The sink's rare paths: a label seen for the first time, a violation, a refused allocation.
+    # The sink's rare paths: a label seen for the first time, a violation, refusals.
     def new_pages(self, freed: bool, pool: str) -> int:
         if not freed:
             return self._new(ALLOCATED, (pool,), self.allocated, pool, 0)
