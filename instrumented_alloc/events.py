@@ -14,6 +14,10 @@ Contract:
 - Typed subscription: a sink may declare ``event_types`` (the event classes it reads). The wrapper builds only the
   kinds some sink reads, none at all without a sink (``EventBus.active``); ``seq`` counts the events built, so it
   stays gap-free. A sink ignores the kinds it receives because another sink asked for them.
+- Who reads what: the flight recorder reads the per-call stream (every kind but ``StepStats`` and ``Snapshot``);
+  Prometheus reads ``StepStats`` (per-step sums of the per-call kinds), ``ViolationEvent`` and ``RequestReleased``;
+  OpenTelemetry reads requests' allocations, ledger writes, evictions, releases and violations. ``StepStats`` is
+  built only for a sink that names it (``wants_named``): a sink without ``event_types`` gets what it sums.
 - ``RequestReleased`` is the per-request record at a request's end: its pages, its KV record as its allocations
   and checked ledger writes last left it (the frees that tear a request down do not zero it) and how many decode
   allocations included it. A consumer that needs a request's totals reads them there.
@@ -190,9 +194,28 @@ class StepBoundary(Event):
     iteration_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepStats(Event):
+    """What the per-call kinds of the calls since the previous boundary sum to (``stepstats.StepAccumulator``),
+    built at every ``step()``, ``flush()`` and ``check_consistency()`` only while a sink names this class in its
+    ``event_types`` (a sink that reads every kind has the per-call events themselves). ``allocated``/``freed``:
+    pool -> pages (the ``Alloc``/``Free`` events' ``n_pages``); ``durations``: op -> each call's duration, one
+    per call (its "full" event's, else its SWA-only op's); ``failures``: (pool, op) -> ``AllocFailed`` events;
+    ``evicted``: the tokens ``SwaEvict`` events added. ``overhead``/``iteration_seconds``: as ``StepBoundary``'s
+    at a ``step()``; ``()`` and 0.0 at ``flush()`` and sweeps, which close no iteration."""
+
+    allocated: dict = field(default_factory=dict)
+    freed: dict = field(default_factory=dict)
+    durations: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    evicted: int = 0
+    overhead: tuple = ()
+    iteration_seconds: float = 0.0
+
+
 # The fields that hold clock readings (timestamps, call durations, the instrumentation's own cost): two runs of the
 # same calls publish the same events but for these.
-CLOCK_FIELDS = frozenset({"ts", "duration", "overhead", "iteration_seconds"})
+CLOCK_FIELDS = frozenset({"ts", "duration", "durations", "overhead", "iteration_seconds"})
 
 Sink = Callable[[Sequence[Event]], "bool | None"]
 
@@ -298,6 +321,7 @@ class EventBus:
         self._loss_counters: dict[str, list] = {}
         self.active = False
         self._wanted: frozenset | None = frozenset()
+        self._named: frozenset = frozenset()  # the classes some sink's event_types names
         # Called after every subscribe/unsubscribe: the wrapper caches what it builds (see wants) and refreshes
         # the cache here, so a sink subscribed on the bus directly is served like one given to alloc.subscribe.
         self.on_change: Callable[[], None] | None = None
@@ -323,12 +347,18 @@ class EventBus:
                 break
             wanted.update(types)
         self._wanted = None if wanted is None else frozenset(wanted)
+        self._named = frozenset(t for s in self._sinks for t in (getattr(s, "event_types", None) or ()))
         if self.on_change is not None:
             self.on_change()
 
     def wants(self, cls: type) -> bool:
         """Whether some sink reads events of this class (every sink without ``event_types`` reads all)."""
         return self.active and (self._wanted is None or cls in self._wanted)
+
+    def wants_named(self, cls: type) -> bool:
+        """Whether some sink names this class in its ``event_types`` (a summary kind such as ``StepStats``: a sink
+        that reads every kind reads what it sums instead)."""
+        return self.active and cls in self._named
 
     def add_loss_counter(self, name: str, counter: Callable[[], int], *, key=None) -> None:
         """Count ``counter()`` (a running total, never decreasing) under sink ``name`` in ``drop_counts()``: what a

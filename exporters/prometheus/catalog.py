@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from instrumented_alloc import stepstats
+
 PREFIX = "kvalloc_"
 SINK_NAME = "prometheus"
 
@@ -124,18 +126,8 @@ DROPPED = Family("events_dropped", "counter", "Events a sink could not take (ref
 
 # The ops whose failure series exist from the start (alert rules and rate() must see them before the first one).
 ALLOC_OPS = ("alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail")
-# Ops that touch only the SWA pool: the SWA frees, and every call on the SWA pool's own allocator (its checked
-# view, see the wrapper's _PoolView). Every other call emits a "full" event, which carries the call's duration.
-SWA_ONLY_OPS = frozenset(
-    {
-        "free_swa",
-        "free_swa_segment",
-        "swa_attn_allocator.alloc",
-        "swa_attn_allocator.free",
-        "swa_attn_allocator.free_segment",
-        "swa_attn_allocator.free_page_ids",
-    }
-)
+# Ops that touch only the SWA pool (their durations count once per call): defined with the step statistics.
+SWA_ONLY_OPS = stepstats.SWA_ONLY_OPS
 
 _RESERVED_LABELS = frozenset({"pool", "state", "invariant", "op", "sink", "part", "le", "quantile", "pid"})
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

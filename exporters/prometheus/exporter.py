@@ -45,15 +45,14 @@ log = logging.getLogger("exporters.prometheus")
 class _Sink:
     """What the exporter subscribes to the allocator's bus: ``_Sink.build(exporter)`` returns a plain function
     carrying ``name`` (what ``bus.dropped`` counts under) and ``event_types``. A function rather than an object
-    with ``__call__``: the bus calls it once per wrapped call that built an event, and calling an instance costs a
-    sixth of the sink again."""
+    with ``__call__``: the bus calls it once per batch with an event of ours (a step boundary, a call that broke an
+    invariant or released a request), and calling an instance costs a sixth of the sink again."""
 
     name = catalog.SINK_NAME
-    # What the counters and histograms read (step boundaries: the self-cost, and the multiprocess gauges'
-    # refresh): the wrapper then skips building what we ignore (page and ledger deltas).
-    event_types = frozenset(
-        {ev.Alloc, ev.AllocFailed, ev.Free, ev.SwaEvict, ev.ViolationEvent, ev.RequestReleased, ev.StepBoundary}
-    )
+    # What the counters and histograms read: each step's statistics (pages, call durations, refusals, evictions,
+    # the self-cost; also when the multiprocess gauges refresh), violations and released requests. The wrapper then
+    # builds no per-call event for us: the sink runs once per step boundary, not once per call.
+    event_types = frozenset({ev.StepStats, ev.ViolationEvent, ev.RequestReleased})
 
     @classmethod
     def build(cls, x: PrometheusExporter) -> Callable:

@@ -2,9 +2,10 @@
 
 Contract: the metrics are prometheus_client ``Counter``/``Histogram``/``Gauge`` objects, updated through their
 public ``inc``/``observe``/``set`` only, because other processes read their values from the files. The sink
-(``MultiprocessMetrics.on_batch``, engine thread, inside the wrapper's lock) updates the counters and histograms at
-once; the gauges and the dropped counter are set by ``refresh()`` from a snapshot, at a step boundary at most once
-per ``refresh_interval`` of the exporter's clock, and by the trailing refresh thread when the engine went idle.
+(``MultiprocessMetrics.on_batch``, engine thread, inside the wrapper's lock) folds each step's statistics
+(``StepStats``), each violation and each released request into the counters and histograms at once; the gauges and
+the dropped counter are set by ``refresh()`` from a snapshot, at a step boundary at most once per
+``refresh_interval`` of the exporter's clock, and by the trailing refresh thread when the engine went idle.
 ``refresh()`` is only ever try-locked: a refresh running elsewhere writes current values too.
 
 Disk space: prometheus_client grows its files with ``truncate`` (a sparse file) and writes a new series' key
@@ -166,13 +167,9 @@ class MultiprocessMetrics:
         self.gauges = {f.name: m(Gauge, f, multiprocess_mode=f.mode) for f in catalog.GAUGES}
         self.dropped = m(Counter, catalog.DROPPED)
         self._handlers = {
-            ev.Alloc: self._on_pages,
-            ev.Free: self._on_pages,
-            ev.AllocFailed: self._on_alloc_failed,
-            ev.SwaEvict: self._on_swa_evict,
+            ev.StepStats: self._on_step,
             ev.RequestReleased: self._on_released,
             ev.ViolationEvent: self._on_violation,
-            ev.StepBoundary: self._on_step,
         }
 
     def _metric(self, cls, family: Family, **kw):
@@ -203,20 +200,6 @@ class MultiprocessMetrics:
             if h is not None:
                 h(e)
 
-    def _on_pages(self, e) -> None:
-        if e.n_pages:
-            self.child(self.allocated if type(e) is ev.Alloc else self.freed, e.pool).inc(e.n_pages)
-        if e.pool == "full" or e.op in catalog.SWA_ONLY_OPS:  # one per call: the full pool's, else the SWA-only call's
-            self.child(self.op_duration, e.op).observe(e.duration)
-
-    def _on_alloc_failed(self, e: ev.AllocFailed) -> None:
-        self.child(self.failures, e.pool, e.op).inc()
-
-    def _on_swa_evict(self, e: ev.SwaEvict) -> None:
-        n = e.new - e.old
-        if n > 0:
-            self.child(self.evicted).inc(n)
-
     def _on_released(self, e: ev.RequestReleased) -> None:
         self.child(self.request_pages, "full").observe(e.pages_peak)  # one peak per request (see running.py)
 
@@ -225,7 +208,19 @@ class MultiprocessMetrics:
         # prometheus_client keeps no exemplar in multiprocess mode; passed for a value class that does.
         self.child(self.violations, v.invariant).inc(1, exemplar=exemplar_labels(v.trace_id))
 
-    def _on_step(self, e: ev.StepBoundary) -> None:
+    def _on_step(self, e: ev.StepStats) -> None:
+        child = self.child
+        for d, metric in ((e.allocated, self.allocated), (e.freed, self.freed)):
+            for pool, n in d.items():
+                child(metric, pool).inc(n)
+        for op, xs in e.durations.items():  # one observation per call
+            c = child(self.op_duration, op)
+            for x in xs:
+                c.observe(x)
+        for (pool, op), n in e.failures.items():
+            child(self.failures, pool, op).inc(n)
+        if e.evicted:
+            child(self.evicted).inc(e.evicted)
         overhead = e.overhead
         if overhead:
             seen = self._overhead_seen
@@ -278,9 +273,10 @@ class MultiprocessMetrics:
 
 def trailing_refresher(ref: weakref.ref, stop: threading.Event, period: float) -> None:
     """A daemon thread per exporter: the refresh the rate limit held back. A step boundary within
-    ``refresh_interval`` of the last refresh leaves the gauges behind, and so does any call after the last step;
-    an engine that then goes idle calls nothing that would refresh them, and they would show the busy state for as
-    long as it stays idle. This wakes every ``period`` seconds and refreshes once the interval has passed if an
+    ``refresh_interval`` of the last refresh leaves the gauges behind; an engine that then goes idle calls nothing
+    that would refresh them, and they would show the busy state for as long as it stays idle. (Calls after the last
+    boundary reach no sink of ours: they show from the next ``step()`` or ``flush()``; SGLang's plugin steps when
+    the scheduler goes idle.) This wakes every ``period`` seconds and refreshes once the interval has passed if an
     event came in since the last refresh (at most once per interval; the snapshot takes the wrapper's lock, as the
     engine's own refresh does). Holds the exporter weakly (``ref``): it ends when ``stop`` is set (``close()``) or
     the exporter is gone. Failures are kept in the exporter's ``last_error``."""

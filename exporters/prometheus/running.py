@@ -1,9 +1,11 @@
-"""Single-process mode, engine thread: the sink adds each event into plain running totals (``Totals``).
+"""Single-process mode, engine thread: the sink adds each step's statistics (``StepStats``), each violation and
+each released request into plain running totals (``Totals``).
 
 Contract: the sink runs inside the wrapper's lock, which serialises its calls, so it is the totals' only writer and
-takes no lock of ours; per event it does a type test and a few dictionary and list updates, no I/O, no snapshot,
-no prometheus_client call. Readers (``collectors.EventCollector``, any thread) copy what they read; a copy of a
-dict or a list is one C call that runs no Python code, so no write interleaves with it.
+takes no lock of ours; it runs once per step boundary (and per violation or release), never per allocator call, and
+does dictionary and list updates only: no I/O, no snapshot, no prometheus_client call. Readers
+(``collectors.EventCollector``, any thread) copy what they read; a copy of a dict or a list is one C call that runs
+no Python code, so no write interleaves with it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from exporters.prometheus.catalog import (
     OVERHEAD_ITERATION,
     REQUEST_PAGES,
     REQUEST_PAGES_BUCKETS,
-    SWA_ONLY_OPS,
     VIOLATIONS,
     Family,
     exemplar_labels,
@@ -36,8 +37,7 @@ from instrumented_alloc import events as ev
 from instrumented_alloc.selfcost import PARTS
 
 # The sink's per-event type tests, as module globals (one dictionary look-up each instead of two).
-_ALLOC, _FREE, _RELEASED, _EVICT = ev.Alloc, ev.Free, ev.RequestReleased, ev.SwaEvict
-_VIOLATION, _FAILED, _STEP = ev.ViolationEvent, ev.AllocFailed, ev.StepBoundary
+_STATS, _RELEASED, _VIOLATION = ev.StepStats, ev.RequestReleased, ev.ViolationEvent
 _bisect_left = bisect.bisect_left
 
 
@@ -87,9 +87,9 @@ class Totals:
         d[key] = value
         return value
 
-    # The sink's rare paths: a label seen for the first time, a violation, a refused allocation.
-    def new_pages(self, t: type, pool: str) -> int:
-        if t is _ALLOC:
+    # The sink's rare paths: a label seen for the first time, a violation, refusals.
+    def new_pages(self, freed: bool, pool: str) -> int:
+        if not freed:
             return self._new(ALLOCATED, (pool,), self.allocated, pool, 0)
         return self._new(FREED, (pool,), self.freed, pool, 0)
 
@@ -106,12 +106,12 @@ class Totals:
         if labels is not None:  # as Counter.inc(1, exemplar=...): the increment's amount, the wall time
             self.exemplars[inv] = Exemplar(labels, 1.0, time.time())
 
-    def add_failure(self, pool: str, op: str) -> None:
-        key = (pool, op)
-        n = self.failures.get(key)
-        if n is None:
-            n = self._new(FAILURES, key, self.failures, key, 0)
-        self.failures[key] = n + 1
+    def add_failures(self, failures: dict) -> None:
+        for key, k in failures.items():
+            n = self.failures.get(key)
+            if n is None:
+                n = self._new(FAILURES, key, self.failures, key, 0)
+            self.failures[key] = n + k
 
 
 def build_sink(totals: Totals, on_error: Callable[[Exception], None]) -> Callable:
@@ -121,47 +121,50 @@ def build_sink(totals: Totals, on_error: Callable[[Exception], None]) -> Callabl
     evicted, peak, overhead, iteration = totals.evicted, totals.peak, totals.overhead, totals.iteration
     n_parts = len(overhead)
 
+    def add_pages(freed_: bool, d: dict, pages: dict) -> None:
+        for pool, n in pages.items():
+            total = d.get(pool)
+            if total is None:
+                total = totals.new_pages(freed_, pool)
+            d[pool] = total + n
+
+    def add_stats(e: ev.StepStats) -> None:
+        if e.allocated:
+            add_pages(False, allocated, e.allocated)
+        if e.freed:
+            add_pages(True, freed, e.freed)
+        for op, xs in e.durations.items():  # one observation per call
+            p = durations.get(op)
+            if p is None:
+                p = totals.new_duration(op)
+            for x in xs:
+                p[0] += x
+                p[1 + _bisect_left(OP_DURATION_BUCKETS, x)] += 1
+        if e.failures:
+            totals.add_failures(e.failures)
+        if e.evicted:
+            evicted[0] += e.evicted
+        o = e.overhead
+        if o:  # a step() boundary (flush and sweeps close no iteration)
+            overhead[:] = o[:n_parts]  # cumulative seconds per part: the running totals themselves
+            x = e.iteration_seconds
+            iteration[0] += x
+            iteration[1 + _bisect_left(OVERHEAD_BUCKETS, x)] += 1
+
     def sink(batch) -> bool | None:
         try:
             for e in batch:
                 t = type(e)
-                if t is _ALLOC or t is _FREE:
-                    pool = e.pool
-                    n = e.n_pages
-                    if n:
-                        d = allocated if t is _ALLOC else freed
-                        total = d.get(pool)
-                        if total is None:
-                            total = totals.new_pages(t, pool)
-                        d[pool] = total + n
-                    if pool == "full" or e.op in SWA_ONLY_OPS:  # one observation per call
-                        p = durations.get(e.op)
-                        if p is None:
-                            p = totals.new_duration(e.op)
-                        x = e.duration
-                        p[0] += x
-                        p[1 + _bisect_left(OP_DURATION_BUCKETS, x)] += 1
+                if t is _STATS:
+                    add_stats(e)
                 elif t is _RELEASED:
                     # One peak per request (its largest page count in any pool, the full pool's for every
                     # allocator here): observed under pool="full".
                     x = e.pages_peak
                     peak[0] += x
                     peak[1 + _bisect_left(REQUEST_PAGES_BUCKETS, x)] += 1
-                elif t is _EVICT:
-                    n = e.new - e.old
-                    if n > 0:
-                        evicted[0] += n
-                elif t is _STEP:
-                    o = e.overhead
-                    if o:
-                        overhead[:] = o[:n_parts]  # cumulative seconds per part: the running totals themselves
-                        x = e.iteration_seconds
-                        iteration[0] += x
-                        iteration[1 + _bisect_left(OVERHEAD_BUCKETS, x)] += 1
                 elif t is _VIOLATION:
                     totals.add_violation(e.violation)
-                elif t is _FAILED:
-                    totals.add_failure(e.pool, e.op)
             return None
         except Exception as exc:  # never reach the allocator's caller; the bus counts the batch as dropped
             on_error(exc)

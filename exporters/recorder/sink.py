@@ -42,8 +42,9 @@ from .lock import _claim_path, _remove_recording
 logger = logging.getLogger("instrumented_alloc.recorder")
 
 _POLL = 0.05  # seconds between the writer's looks at the queue when nothing woke it
-# Kinds never recorded: the wrapper's own snapshots (the recorder takes its own) and the recorder's gap marker.
-_NOT_RECORDED = frozenset({"Snapshot", "EventsLost"})
+# Kinds never recorded: the wrapper's own snapshots (the recorder takes its own), the step statistics (sums of
+# the per-call events it records) and the recorder's gap marker.
+_NOT_RECORDED = frozenset({"Snapshot", "StepStats", "EventsLost"})
 _BOUNDARY, _VIOLATION_EVENT = ev.StepBoundary, ev.ViolationEvent
 
 

@@ -79,6 +79,8 @@ class _AllocChecks:
                 if pool.entries() != before:
                     pool.shadow.expected_entries = before
                     self._report(pool.shadow.check_count(pool.entries(), f"{op} returned None but"), pool_name, op)
+                if st.stats is not None:
+                    st.stats.failure(pool_name, op)
                 if self.bus.wants(ev.AllocFailed):
                     self._emit(
                         ev.AllocFailed,
@@ -106,6 +108,9 @@ class _AllocChecks:
                     self._alloc_pages_check(pool, o, -1, got, op)
 
             self._slot_tier(verify, out)
+            stats = st.stats
+            if stats is not None:
+                stats.alloc(op, pool_name, got // ps, dt)
             if st.want_alloc:
                 st.seq = seq = st.seq + 1
                 st.events.append(_B_ALLOC(seq, st.clock(), st.step, op, pool_name, got, got // ps, (), dt))
@@ -307,19 +312,24 @@ class _AllocChecks:
                 pool.shadow.expected_entries = was
                 bad = pool.shadow.check_count(now, f"{op} returned None but")
                 self._report(bad, pool.name, op)
-        if self.bus.wants(ev.AllocFailed):
-            bound = self._w_bound
+        stats = self._w_st.stats
+        want = self.bus.wants(ev.AllocFailed)
+        if want or stats is not None:
             # Name the pool that ran short: the one with fewer free slots.
             short = min(self._w_st.pools.values(), key=lambda p: p.allocator.available_size())
-            self._emit(
-                ev.AllocFailed,
-                op=op,
-                pool=short.name,
-                requested=int(requested),
-                available=int(short.allocator.available_size()),
-                rids=bound[0] if bound else (),
-                duration=duration,
-            )
+            if stats is not None:
+                stats.failure(short.name, op)
+            if want:
+                bound = self._w_bound
+                self._emit(
+                    ev.AllocFailed,
+                    op=op,
+                    pool=short.name,
+                    requested=int(requested),
+                    available=int(short.allocator.available_size()),
+                    rids=bound[0] if bound else (),
+                    duration=duration,
+                )
         self._finish()
         return None
 

@@ -48,6 +48,9 @@ _B_PAGES = ev.builder(ev.PageUpdate)
 _B_STEP = ev.builder(ev.StepBoundary)
 
 
+_B_STATS = ev.builder(ev.StepStats)
+
+
 _B_RELEASED = ev.builder(ev.RequestReleased)
 
 

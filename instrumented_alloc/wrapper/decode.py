@@ -98,7 +98,7 @@ class _DecodeChecks:
             else:
                 # _entries_before's two-pool case, inline (an SWA allocator's every decode): free+staged page counts.
                 before = [(p.count(), 0) for p in st.pools.values()]
-            timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events
+            timed = st.time_decode  # the duration is only read by this call's Alloc or AllocFailed events or stats
             cost = st.cost
             cost.stop_checks()
             t0 = st.clock() if timed else 0.0
@@ -109,7 +109,7 @@ class _DecodeChecks:
                 self._invalid(op, exc)
             cost.start()
             dt = st.clock() - t0 if timed else 0.0
-            allocs = st.want_alloc  # this call's Alloc events are built
+            allocs = st.note_alloc  # this call's Alloc events are built, or counted in the step's statistics
             if st.need_sort:  # only need_sort merges (before then holds the staged counts _after_merge_check reads)
                 self._after_merge_check(before)
             if out is None:

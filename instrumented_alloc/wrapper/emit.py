@@ -12,7 +12,8 @@ import numpy as np
 
 from instrumented_alloc import events as ev
 from instrumented_alloc.invariants import SEVERITY, InvariantViolation, Violation
-from instrumented_alloc.wrapper.constants import _B_ALLOC, _B_LEDGER, _B_PAGES, _TAINTING, _make_event
+from instrumented_alloc.stepstats import StepAccumulator
+from instrumented_alloc.wrapper.constants import _B_ALLOC, _B_LEDGER, _B_PAGES, _B_STATS, _TAINTING, _make_event
 
 
 class _Events:
@@ -44,12 +45,22 @@ class _Events:
         st, wants = self._w_st, self.bus.wants
         st.want_ledger = wants(ev.LedgerUpdate)
         st.want_pages = want
+        # The step's statistics are kept only while a sink names StepStats; kept across a change of sinks that
+        # still reads them (what the step so far counted stays).
+        if st.bus.wants_named(ev.StepStats):
+            if st.stats is None:
+                st.stats = StepAccumulator()
+        else:
+            st.stats = None
+        counting = st.stats is not None
         # The per-call kinds are built only for a sink that reads them too (seq stays gap-free: it counts the
-        # events built). Frees are timed only when their Free event is built.
+        # events built). Frees are timed only when their Free event is built or counted in the step's statistics.
         st.want_alloc = wants(ev.Alloc)
-        # A decode is timed only for its Alloc events and a refusal's AllocFailed.
-        st.time_decode = st.want_alloc or wants(ev.AllocFailed)
+        st.note_alloc = st.want_alloc or counting
+        # A decode is timed only for its Alloc events, a refusal's AllocFailed and the step's statistics.
+        st.time_decode = st.note_alloc or wants(ev.AllocFailed)
         st.want_free = wants(ev.Free)
+        st.time_free = st.want_free or counting
         st.want_released = wants(ev.RequestReleased)
         # The requests' records (what RequestReleased carries) are kept through their frees only while read.
         st.ledger.keep_records = st.want_released
@@ -58,6 +69,7 @@ class _Events:
         st.want_step = wants(ev.StepBoundary)
         st.want_write = wants(ev.LedgerWrite)
         st.want_evict = wants(ev.SwaEvict)
+        st.note_evict = st.want_evict or counting
 
     # -- reporting ----------------------------------------------------------------------------------------
     def _report(self, bad, pool: str | None, op: str) -> None:
@@ -106,12 +118,23 @@ class _Events:
 
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         st = self._w_st
+        stats = st.stats
+        if stats is not None:
+            stats.alloc(op, pool, n_pages, dt)
         if st.want_alloc:
             bound = getattr(st.tls, "bound", None)
             st.seq = seq = st.seq + 1
             st.events.append(
                 _B_ALLOC(seq, st.clock(), st.step, op, pool, n_slots, n_pages, bound[0] if bound else (), dt)
             )
+
+    def _emit_stats(self, overhead: tuple = (), iteration_seconds: float = 0.0) -> None:
+        """At a boundary: the step's statistics as a ``StepStats`` (while a sink reads them), handed over."""
+        st = self._w_st
+        stats = st.stats
+        if stats is not None:
+            st.seq = seq = st.seq + 1
+            st.events.append(_B_STATS(seq, st.clock(), st.step, *stats.take(), overhead, iteration_seconds))
 
     def _emit_snapshots(self) -> None:
         led = self._w_st.ledger

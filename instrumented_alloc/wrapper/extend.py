@@ -235,7 +235,7 @@ class _ExtendChecks:
                     self._check_extend(out.numpy(), pos, own, full, new_mask, n_new, op, "full")
                     if swa_args is not None:
                         self._check_extend(peer, *swa_args, op, "swa")
-            if st.want_alloc:
+            if st.note_alloc:
                 emit_alloc = self._emit_alloc
                 emit_alloc(op, got, n_new, dt)
                 if swa_grow is not None:

@@ -227,7 +227,7 @@ class _FreeChecks:
         # compare if the inner raises (one call, where _forward_free reads every pool's).
         available = None if st.atomic_free else pool.probe
         before = None if available is None else available()
-        timed = st.want_free  # the duration is only read by the Free events
+        timed = st.time_free  # the duration is only read by the Free events and the step's statistics
         clock = st.clock
         t0 = clock() if timed else 0.0
         st.cost.stop_checks()
@@ -253,9 +253,12 @@ class _FreeChecks:
             led.shrink_one(s, led.owned["full"].item(s) * ps + led.protected.item(s))
         rids = None
         if timed:
-            rids = (led.rid_of(s),)
-            st.seq = seq = st.seq + 1
-            st.events.append(_B_FREE(seq, clock(), st.step, op, pool.name, n, rids, dt))
+            if st.stats is not None:
+                st.stats.free(op, pool.name, n, dt)
+            if st.want_free:
+                rids = (led.rid_of(s),)
+                st.seq = seq = st.seq + 1
+                st.events.append(_B_FREE(seq, clock(), st.step, op, pool.name, n, rids, dt))
         # prev[:1]: a view of a gather made for this free alone, never written.
         self._owner_freed(st, op, s, track, prev[:1], rids)
         if st.bus.active or st.to_raise or st.events:
@@ -367,7 +370,7 @@ class _FreeChecks:
         # and paged allocators change nothing when their free raises: no counts to capture for them.
         pools = st.pools.values()
         before = None if st.atomic_free else [p.probe() for p in pools]
-        timed = st.want_free  # the duration is only read by the Free events
+        timed = st.time_free  # the duration is only read by the Free events and the step's statistics
         clock = st.clock
         t0 = clock() if timed else 0.0
         try:
@@ -421,6 +424,7 @@ class _FreeChecks:
         slots_all = []
         # Requests inserting into the cache free copies the cache holds: their lengths stay (KvLedger.inserting).
         inserting = np.fromiter(led.inserting, np.int64, len(led.inserting)) if led.inserting else None
+        stats = self._w_st.stats
         for pool, owners, n_entries in touched:
             if owners.size:
                 slots_all.append(owners)
@@ -432,6 +436,8 @@ class _FreeChecks:
                         # The request's allocated length follows its full-pool pages when they shrink (after its
                         # protected prefix, the cache's pages).
                         led.shrink(shrink, led.owned["full"][shrink] * ps + led.protected[shrink])
+            if stats is not None:
+                stats.free(op, pool.name, int(n_entries), duration)
             if self._w_st.want_free:
                 self._emit(
                     ev.Free,
@@ -492,6 +498,8 @@ class _FreeChecks:
                 # prefix, the cache's pages).
                 led.shrink_one(s, led.owned["full"].item(s) * st.ps + led.protected.item(s))
         rids = None
+        if st.stats is not None:
+            st.stats.free(op, pool.name, int(n_entries), duration)
         if st.want_free:
             rids = (led.rid_of(s),)
             st.seq = seq = st.seq + 1

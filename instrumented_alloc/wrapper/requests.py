@@ -341,13 +341,15 @@ class _Requests:
     def ledger_written(self, slot: int, rid, field: str, old: int, new: int) -> None:
         st = self._w_st
         write = st.want_write
-        evict = st.want_evict and field == "swa_evicted_seqlen"
+        evict = st.note_evict and field == "swa_evicted_seqlen"
         if not (write or evict):
             return  # as with no sink: nothing to build, and a ledger write leaves no page delta to publish
         with st.lock:
             if write:
                 self._emit(ev.LedgerWrite, rid=rid, field=field, old=old, new=new)
-            if evict:
+            if evict and st.stats is not None:
+                st.stats.evict(old, new)
+            if evict and st.want_evict:
                 ps = st.ps
                 self._emit(ev.SwaEvict, rid=rid, old=old, new=new, n_pages=new // ps - old // ps)
             self._deliver()

@@ -59,8 +59,9 @@ class _CallState:
     paths fetch this object once per call and read everything else from it.
 
     Four kinds of fields:
-    - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``,
-      refreshed by ``_sync_deltas`` whenever the sinks change);
+    - per-call state (``step``, ``seq``, ``events``, ``op``) and what the event paths build (``want_*``, and
+      ``note_*``/``time_*``: a per-call kind is built or counted in ``stats``, refreshed by ``_sync_deltas``
+      whenever the sinks change);
     - the per-wrapper constants, set once at construction and never reassigned, held here only: the wrapper's
       ``_w_*`` names for them are properties that read these slots (its instance dict must stay within 30
       names, see ``InstrumentedAllocator``); ``inner`` alone is also the wrapper's ``_w_inner``, which every
@@ -97,6 +98,8 @@ class _CallState:
         "ledger",
         "lock",
         "need_sort",
+        "note_alloc",
+        "note_evict",
         "off",
         "op",
         "pending",
@@ -106,11 +109,13 @@ class _CallState:
         "run",
         "seq",
         "shift",
+        "stats",
         "step",
         "steps",
         "swa",
         "swa_frees",
         "time_decode",
+        "time_free",
         "tls",
         "to_raise",
         "track_lengths",
@@ -132,7 +137,9 @@ class _CallState:
         self.op = ""  # the op whose page updates are being published
         self.want_alloc = self.want_free = self.want_released = self.want_pages = False
         self.want_ledger = self.want_step = self.want_write = self.want_evict = False
-        self.time_decode = False
+        self.time_decode = self.time_free = self.note_alloc = self.note_evict = False
+        # The step's statistics (a StepAccumulator) while a sink reads StepStats, else None.
+        self.stats = None
         # Deferred verification: request id -> its releases detached from the ledger and still queued.
         self.detached: dict = {}
         self.clock = clock

@@ -4,7 +4,8 @@ Contract (``_Sweeps``, a mixin of ``InstrumentedAllocator``): a boundary never w
 the deferred checks whose copies are complete, compares each pool's free count with the shadow's, and the
 ledger against the pages for the requests that changed (``ledger.dirty``, cleared here); ``flush`` and sweeps
 compare every request, sweeps also the inner's free lists, leaks, the SWA mapping and the prefix cache.
-Writes ``st.step``, the self-cost iteration, and the boundary's events."""
+Writes ``st.step``, the self-cost iteration, and the boundary's events: ``StepStats`` (the step's statistics,
+handed over) at every boundary, after what the boundary's own checks counted."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class _Sweeps:
                     )
                 if self._w_snapshot_every and st.step % self._w_snapshot_every == 0 and bus.wants(ev.Snapshot):
                     self._emit_snapshots()
+                if st.stats is not None:
+                    self._emit_stats(cost.totals(), spent)
             if st.events or st.to_raise:
                 self._finish()
 
@@ -84,6 +87,7 @@ class _Sweeps:
             self._w_st.op = "flush"
             self._drain(wait=True)
             self._boundary_checks("flush", every_request=True)
+            self._emit_stats()  # nothing counted stays pending after a final flush
             self._finish()
 
     @_charged
@@ -122,6 +126,7 @@ class _Sweeps:
             self._boundary_checks("sweep", every_request=True)
             new = sum(self.violation_counts.values()) - before
             recent = list(self.violations)[-new:] if new else []
+            self._emit_stats()
             self._finish()
             return recent
 

@@ -482,7 +482,9 @@ def test_failing_sink_never_reaches_the_caller(monkeypatch):
         with w.batch(["a"]):
             out = w.alloc_extend(*args)  # no exception
         assert torch.equal(out, bare.alloc_extend(*args))
+        w.step()  # the step's statistics reach the sink, which refuses the boundary's whole batch
         n_events = len(tap.batches[-1])
+        assert any(type(e) is ev.StepStats for e in tap.batches[-1])
         reg = exp.registry
         assert reg.get_sample_value("kvalloc_events_dropped_total", {"sink": "prometheus"}) == n_events
         assert reg.get_sample_value("kvalloc_events_dropped_total", {"sink": "tap"}) == 0
