@@ -4,6 +4,8 @@ Contract: ``StepAccumulator`` is written only by the wrapper, under its lock, at
 build) ``Alloc``, ``Free``, ``AllocFailed`` and ``SwaEvict``; ``take()`` hands its dicts over at a boundary (they
 become the ``StepStats`` event's, never written again) and starts fresh ones. Its sums are exactly what the per-call
 events of the same calls carry: pages per pool, one duration per call, refusals per (pool, op), evicted tokens.
+Bounded: ``alloc``/``free`` return True once an op holds ``MAX_PENDING`` durations, and the wrapper then publishes
+at once (a caller that never steps must not grow the lists without end).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ SWA_ONLY_OPS = frozenset(
 )
 
 
+# Durations one op may hold before the wrapper publishes them without waiting for a boundary.
+MAX_PENDING = 65536
+
+
 class StepAccumulator:
     """What happened since the last boundary (see the module docstring). ``allocated``/``freed``: pool -> pages
     (a pool appears once it moved a page); ``durations``: op -> each call's seconds, in call order; ``failures``:
@@ -37,27 +43,26 @@ class StepAccumulator:
         self.failures: dict[tuple[str, str], int] = {}
         self.evicted = 0
 
-    def alloc(self, op: str, pool: str, n_pages: int, duration: float) -> None:
-        """What an ``Alloc`` event of these fields carries."""
+    def alloc(self, op: str, pool: str, n_pages: int, duration: float) -> bool:
+        """What an ``Alloc`` event of these fields carries. True: publish now (see the module docstring)."""
         if n_pages:
             d = self.allocated
             d[pool] = d.get(pool, 0) + n_pages
-        if pool == "full" or op in SWA_ONLY_OPS:
-            self._duration(op, duration)
+        return (pool == "full" or op in SWA_ONLY_OPS) and self._duration(op, duration)
 
-    def free(self, op: str, pool: str, n_pages: int, duration: float) -> None:
-        """What a ``Free`` event of these fields carries."""
+    def free(self, op: str, pool: str, n_pages: int, duration: float) -> bool:
+        """What a ``Free`` event of these fields carries. True: publish now (see the module docstring)."""
         if n_pages:
             d = self.freed
             d[pool] = d.get(pool, 0) + n_pages
-        if pool == "full" or op in SWA_ONLY_OPS:
-            self._duration(op, duration)
+        return (pool == "full" or op in SWA_ONLY_OPS) and self._duration(op, duration)
 
-    def _duration(self, op: str, duration: float) -> None:
+    def _duration(self, op: str, duration: float) -> bool:
         durations = self.durations.get(op)
         if durations is None:
             durations = self.durations[op] = []
         durations.append(duration)
+        return len(durations) >= MAX_PENDING
 
     def failure(self, pool: str, op: str) -> None:
         """What an ``AllocFailed`` event carries."""

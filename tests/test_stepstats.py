@@ -128,6 +128,27 @@ def test_counters_move_at_step_boundaries_and_flush_publishes_the_rest():
         exp.close()
 
 
+def test_a_caller_that_never_steps_publishes_when_an_op_holds_max_pending_durations(monkeypatch):
+    # The pending durations are bounded: at MAX_PENDING calls of one op the wrapper publishes them mid-step.
+    monkeypatch.setattr("instrumented_alloc.stepstats.MAX_PENDING", 5)
+    w = InstrumentedAllocator(PagedTokenToKVPoolAllocator(64, PS, F16, "cpu"), mode="record")
+    stats = Batches("stats", {ev.StepStats})
+    w.subscribe(stats)
+    for k in range(6):
+        _calls(w, k)  # one alloc_extend, one alloc_decode, one refused alloc, two frees per round
+    published = stats.events
+    # The frees (two a round; a refusal has no duration) reach 5 at round 3's first free, then at round 5's second.
+    assert [sorted((op, len(xs)) for op, xs in e.durations.items()) for e in published] == [
+        [("alloc_decode", 3), ("alloc_extend", 3), ("free", 5)],
+        [("alloc_decode", 2), ("alloc_extend", 2), ("free", 5)],
+    ]
+    assert all(e.overhead == () for e in published)  # none closes an iteration
+    w.flush()
+    rest = stats.events[len(published):]
+    assert sum(len(xs) for e in published + rest for xs in e.durations.values()) == 6 * 4
+    assert sum(e.allocated.get("full", 0) for e in published + rest) == 6 * 3
+
+
 def test_the_accumulator_counts_what_the_events_carry():
     acc = StepAccumulator()
     acc.alloc("alloc_extend", "full", 3, 0.5)

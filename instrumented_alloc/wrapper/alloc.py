@@ -109,8 +109,8 @@ class _AllocChecks:
 
             self._slot_tier(verify, out)
             stats = st.stats
-            if stats is not None:
-                stats.alloc(op, pool_name, got // ps, dt)
+            if stats is not None and stats.alloc(op, pool_name, got // ps, dt):
+                self._emit_stats()
             if st.want_alloc:
                 st.seq = seq = st.seq + 1
                 st.events.append(_B_ALLOC(seq, st.clock(), st.step, op, pool_name, got, got // ps, (), dt))

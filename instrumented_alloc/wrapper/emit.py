@@ -119,8 +119,8 @@ class _Events:
     def _emit_alloc(self, op: str, n_slots: int, n_pages: int, dt: float, pool: str = "full") -> None:
         st = self._w_st
         stats = st.stats
-        if stats is not None:
-            stats.alloc(op, pool, n_pages, dt)
+        if stats is not None and stats.alloc(op, pool, n_pages, dt):
+            self._emit_stats()
         if st.want_alloc:
             bound = getattr(st.tls, "bound", None)
             st.seq = seq = st.seq + 1

@@ -253,8 +253,8 @@ class _FreeChecks:
             led.shrink_one(s, led.owned["full"].item(s) * ps + led.protected.item(s))
         rids = None
         if timed:
-            if st.stats is not None:
-                st.stats.free(op, pool.name, n, dt)
+            if st.stats is not None and st.stats.free(op, pool.name, n, dt):
+                self._emit_stats()
             if st.want_free:
                 rids = (led.rid_of(s),)
                 st.seq = seq = st.seq + 1
@@ -436,8 +436,8 @@ class _FreeChecks:
                         # The request's allocated length follows its full-pool pages when they shrink (after its
                         # protected prefix, the cache's pages).
                         led.shrink(shrink, led.owned["full"][shrink] * ps + led.protected[shrink])
-            if stats is not None:
-                stats.free(op, pool.name, int(n_entries), duration)
+            if stats is not None and stats.free(op, pool.name, int(n_entries), duration):
+                self._emit_stats()
             if self._w_st.want_free:
                 self._emit(
                     ev.Free,
@@ -498,8 +498,8 @@ class _FreeChecks:
                 # prefix, the cache's pages).
                 led.shrink_one(s, led.owned["full"].item(s) * st.ps + led.protected.item(s))
         rids = None
-        if st.stats is not None:
-            st.stats.free(op, pool.name, int(n_entries), duration)
+        if st.stats is not None and st.stats.free(op, pool.name, int(n_entries), duration):
+            self._emit_stats()
         if st.want_free:
             rids = (led.rid_of(s),)
             st.seq = seq = st.seq + 1
