@@ -433,23 +433,25 @@ def test_a_request_first_heard_of_at_its_release_gets_its_span_there(memory):
     assert not w.violations
 
 
+class _Keep:
+    """A sink that keeps every event; with ``like_otel``, declares what the exporter declares (so builds nothing
+    more)."""
+
+    name = "keep"
+
+    def __init__(self, like_otel=False):
+        self.events = []
+        if like_otel:
+            self.event_types = OtelExporter.event_types
+
+    def __call__(self, batch):
+        self.events.extend(batch)
+
+
 def test_events_built_for_another_sink_change_no_span():
     """Beside a sink that reads every kind (decode Allocs, page deltas, ...), the exporter receives them and
     ignores what it does not read: the spans are the same as alone, attribute for attribute, event for event."""
     from instrumented_alloc import events as ev
-
-    class Keep:
-        """Keeps every event; with ``like_otel``, declares what the exporter declares (so builds nothing more)."""
-
-        name = "keep"
-
-        def __init__(self, like_otel=False):
-            self.events = []
-            if like_otel:
-                self.event_types = OtelExporter.event_types
-
-        def __call__(self, batch):
-            self.events.extend(batch)
 
     def run(extra):
         exporter = InMemorySpanExporter()
@@ -462,7 +464,7 @@ def test_events_built_for_another_sink_change_no_span():
             sinks=extra,
         )
         exp = OtelExporter(w, tracer_provider=provider)
-        seen = Keep(like_otel=True)  # what the exporter received
+        seen = _Keep(like_otel=True)  # what the exporter received
         w.subscribe(seen)
         equivalence_scenario(w, exp)
         exp.shutdown(timeout_millis=5000)
@@ -476,7 +478,7 @@ def test_events_built_for_another_sink_change_no_span():
         ], decode_events
 
     alone, received = run([])
-    with_keeper, built = run([Keep()])
+    with_keeper, built = run([_Keep()])
     assert len(received) == len(built) == 6 * 2  # six decodes, two pools each: received, no span event
     assert alone == with_keeper
     assert sorted(r["attributes"].get("kv.decode_steps", -1) for r in alone if r["name"] == "kv.request") == [
@@ -497,17 +499,6 @@ def test_an_allocation_after_a_free_is_measured_from_the_free(verify):
     the events carry the batch's figures instead. A sink reading every kind beside it changes nothing."""
     from instrumented_alloc import events as ev
 
-    class Keep:
-        name = "keep"
-
-        def __init__(self, like_otel=False):
-            self.events = []
-            if like_otel:
-                self.event_types = OtelExporter.event_types
-
-        def __call__(self, batch):
-            self.events.extend(batch)
-
     def run(extra):
         mem = InMemorySpanExporter()
         provider = TracerProvider()
@@ -516,7 +507,7 @@ def test_an_allocation_after_a_free_is_measured_from_the_free(verify):
             PagedTokenToKVPoolAllocator(128, PS, torch.float16, "cpu"), mode="record", verify=verify, sinks=extra
         )
         OtelExporter(w, tracer_provider=provider)
-        seen = Keep(like_otel=True)
+        seen = _Keep(like_otel=True)
         w.subscribe(seen)
         # Two requests per allocation: a share measured from the wrong values makes the shares miss the call's
         # total, and the event then carries the batch's figures instead of the request's.
@@ -552,7 +543,7 @@ def test_an_allocation_after_a_free_is_measured_from_the_free(verify):
         return spans, free_updates
 
     alone, received = run([])
-    with_keeper, _ = run([Keep()])
+    with_keeper, _ = run([_Keep()])
     assert len(received) == 6  # every free's update reaches the exporter
     assert alone.keys() == with_keeper.keys() == {"a", "b", "c"}
     for rid in alone:
@@ -595,9 +586,7 @@ def test_demo_spans_are_the_same_on_every_path(preset, page_size, seed, inject, 
 
 
 @pytest.mark.parametrize("path", ["own", "sdk"])
-def test_a_retracted_request_re_prefilled_before_the_step_gets_its_own_span_under_deferred_verification(
-    memory, path
-):
+def test_a_retracted_request_re_prefilled_before_the_step_gets_its_own_span_under_deferred_verification(memory, path):
     # The demo engine's retraction: free, release, and the same id prefilled again before the step boundary. Under
     # deferred verification the release is checked later; the spans must still be the ones immediate
     # verification gives (one per incarnation, each with its own values), on both span paths.
@@ -686,5 +675,3 @@ def test_two_exporters_each_keep_their_trace_ids():
     assert e1.shutdown(timeout_millis=1000) and w.trace_id_for is None
     (s,) = m1.get_finished_spans()
     assert hex_id(s) == v.trace_id and s.status.status_code is StatusCode.ERROR
-
-
